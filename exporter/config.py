@@ -1,0 +1,193 @@
+"""Typed schemas of a job, registered in Hydra's ConfigStore: a wrong key or type fails at compose.
+
+The YAML files in `conf/` pick a schema from the `schema/<group>` entries stored here and fill
+in its values; `JobConfig.__post_init__` checks what types alone cannot (bounds, tolerances).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from exporter.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# Anchors the run dirs and the embedded MLflow store at the project, whatever the cwd.
+OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+
+
+@dataclass
+class DimBounds:
+    """Inclusive bounds of one named dynamic dim; every consumer derives its shapes from these."""
+
+    min: int = 1
+    max: int = MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    seed: int = 0
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    """transformers' LlamaForCausalLM: seeded random weights of this shape, or `checkpoint`, a
+    local Hugging Face checkpoint directory (then the shape fields are ignored)."""
+
+    checkpoint: str | None = None
+    hidden_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = MISSING
+
+
+@dataclass
+class MlpConfig(ModelConfig):
+    in_features: int = MISSING
+    hidden_features: int = MISSING
+    out_features: int = MISSING
+
+
+@dataclass
+class BackendConfig:
+    """`atol`/`rtol` are the backend's default tolerances; `validate.atol/rtol` override them."""
+
+    name: str = MISSING
+    atol: float = MISSING
+    rtol: float = MISSING
+
+
+@dataclass
+class EagerBackendConfig(BackendConfig):
+    pass
+
+
+@dataclass
+class ExecutorchBackendConfig(BackendConfig):
+    pass
+
+
+class FallbackPolicy(Enum):
+    auto = "auto"
+    strict = "strict"
+
+
+@dataclass
+class FallbackConfig:
+    """`auto`: ops the backend does not take run on portable CPU kernels; `strict`: fail instead."""
+
+    policy: FallbackPolicy = MISSING
+
+
+@dataclass
+class ValidateConfig:
+    atol: float | None = None
+    rtol: float | None = None
+    extra_shapes: list[int] = field(default_factory=list)
+    random_shapes: int = 2
+    seed: int = 0
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = MISSING
+    tracking_uri: str = ""
+    artifact_location: str = ""
+    experiment: str = "exporter"
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = MISSING
+    dynamic: dict[str, DimBounds] = field(default_factory=dict)
+    backend: BackendConfig = MISSING
+    fallback: FallbackConfig = MISSING
+    validate: ValidateConfig = MISSING
+    mlflow: MlflowConfig = MISSING
+    # A pre-built artifact to validate instead of exporting and lowering the model.
+    artifact: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, bounds in self.dynamic.items():
+            if bounds.min < 1:
+                raise ConfigError(f"dynamic.{name}.min is {bounds.min}; it must be at least 1.")
+            if bounds.min > bounds.max:
+                raise ConfigError(
+                    f"dynamic.{name}: min ({bounds.min}) is greater than max ({bounds.max}); "
+                    f"set dynamic.{name}.min <= dynamic.{name}.max."
+                )
+        for size in self.validate.extra_shapes:
+            for name, bounds in self.dynamic.items():
+                if not bounds.min <= size <= bounds.max:
+                    raise ConfigError(
+                        f"validate.extra_shapes has {size}, outside dynamic.{name} bounds "
+                        f"[{bounds.min}, {bounds.max}]; "
+                        f"allowed sizes are {bounds.min}..{bounds.max}."
+                    )
+        if self.validate.random_shapes < 0:
+            raise ConfigError(
+                f"validate.random_shapes is {self.validate.random_shapes}; it must be 0 or more."
+            )
+        for key, value in (("atol", self.atol), ("rtol", self.rtol)):
+            if value < 0:
+                raise ConfigError(f"The tolerance {key} is {value}; it must be 0 or more.")
+        if self.artifact is not None and not Path(self.artifact).is_file():
+            raise ConfigError(f"artifact={self.artifact}: no such file.")
+
+    @property
+    def atol(self) -> float:
+        return self.backend.atol if self.validate.atol is None else self.validate.atol
+
+    @property
+    def rtol(self) -> float:
+        return self.backend.rtol if self.validate.rtol is None else self.validate.rtol
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(name="job_schema", node=JobConfig)
+    store.store(group="schema/model", name="llama", node=LlamaConfig)
+    store.store(group="schema/model", name="mlp", node=MlpConfig)
+    store.store(group="schema/backend", name="eager", node=EagerBackendConfig)
+    store.store(group="schema/backend", name="executorch", node=ExecutorchBackendConfig)
+    store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
+    store.store(group="schema/validate", name="validate", node=ValidateConfig)
+    store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)
+
+
+register_schemas()
+
+
+def to_job(cfg: DictConfig) -> JobConfig:
+    """The composed config as typed objects; raises ConfigError for values the schema rejects."""
+    try:
+        job: Any = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as error:
+        raise ConfigError(str(error)) from error
+    return job
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """`{"model.hidden_size": "64", ...}`: the resolved config as MLflow params."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix.rstrip(".")] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    return flat
