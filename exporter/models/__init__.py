@@ -1,0 +1,58 @@
+"""The model stage: a model config and the dynamic bounds -> a ModelBundle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from exporter.config import DimBounds, LlamaConfig, MlpConfig, ModelConfig
+from exporter.errors import ConfigError
+from exporter.models import llama, mlp
+from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
+
+_BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
+    LlamaConfig: llama.declare,
+    MlpConfig: mlp.declare,
+}
+
+__all__ = ["DynamicDim", "ModelBundle", "build"]
+
+
+def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
+    declaration = _BUILDERS[type(cfg)](cfg)
+    return ModelBundle(
+        name=cfg.name,
+        module=declaration.module,
+        input_names=declaration.input_names,
+        output_names=declaration.output_names,
+        dims=_bound_dims(cfg.name, declaration, dynamic),
+        make_inputs=declaration.make_inputs,
+    )
+
+
+def _bound_dims(
+    model: str, declaration: ModelDeclaration, dynamic: Mapping[str, DimBounds]
+) -> tuple[DynamicDim, ...]:
+    declared = sorted(declaration.dim_axes)
+    for name in dynamic:
+        if name not in declaration.dim_axes:
+            raise ConfigError(
+                f"dynamic.{name}: model '{model}' has no dynamic dim '{name}'; "
+                f"its dims are: {', '.join(declared)}."
+            )
+    dims = []
+    for name in declared:
+        if name not in dynamic:
+            raise ConfigError(
+                f"dynamic.{name} is not set; model '{model}' needs bounds for its dims "
+                f"({', '.join(declared)}): choose dynamic={model} or a file in conf/dynamic/ "
+                "that bounds them."
+            )
+        bounds = dynamic[name]
+        limit = declaration.dim_limits.get(name)
+        if limit is not None and bounds.max > limit:
+            raise ConfigError(
+                f"dynamic.{name}.max is {bounds.max}, beyond what model '{model}' supports "
+                f"({limit}); allowed: {bounds.min}..{limit}."
+            )
+        dims.append(DynamicDim(name, tuple(declaration.dim_axes[name]), bounds.min, bounds.max))
+    return tuple(dims)

@@ -1,0 +1,50 @@
+"""What the model stage hands on: the module, its inputs, and its dynamic dims with their bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """A named dim, the input axes that carry it, and its configured bounds."""
+
+    name: str
+    axes: tuple[tuple[str, int], ...]
+    min: int
+    max: int
+
+
+# Sizes of every dynamic dim and a seed -> the model's positional inputs at those sizes.
+InputMaker = Callable[[Mapping[str, int], int], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    name: str
+    module: torch.nn.Module
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dims: tuple[DynamicDim, ...]
+    make_inputs: InputMaker
+
+    def max_sizes(self) -> dict[str, int]:
+        return {dim.name: dim.max for dim in self.dims}
+
+
+@dataclass(frozen=True)
+class ModelDeclaration:
+    """What a model builder knows before bounds are applied: which axes are dynamic, and limits.
+
+    `dim_limits` holds the model's own largest size per dim (a Llama's max_position_embeddings).
+    """
+
+    module: torch.nn.Module
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dim_axes: Mapping[str, tuple[tuple[str, int], ...]]
+    dim_limits: Mapping[str, int]
+    make_inputs: InputMaker
