@@ -1,0 +1,48 @@
+"""The live-shape plan: which sizes of each dynamic dim validation runs, and in which order."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from exporter.models import DynamicDim
+
+# One live shape: a size for every dynamic dim, by name.
+LiveShape = dict[str, int]
+
+
+def plan(
+    dims: Sequence[DynamicDim], extra: Sequence[int], random_count: int, seed: int
+) -> list[LiveShape]:
+    """min, min+1, an odd size in the middle, max-1, max, the extra sizes and `random_count`
+    seeded draws, deduplicated, smallest first. With several dims, the k-th shape takes each
+    dim's k-th size (its own min with the others' mins, and so on)."""
+    rng = random.Random(seed)
+    per_dim = [_sizes(dim, extra, random_count, rng) for dim in dims]
+    shapes = sorted(set(zip(*per_dim, strict=True)))
+    return [dict(zip((dim.name for dim in dims), sizes, strict=True)) for sizes in shapes]
+
+
+def _sizes(
+    dim: DynamicDim, extra: Sequence[int], random_count: int, rng: random.Random
+) -> list[int]:
+    middle = (dim.min + dim.max) // 2
+    middle += 1 - middle % 2
+    planned = [dim.min, dim.min + 1, middle, dim.max - 1, dim.max, *extra]
+    planned += [rng.randint(dim.min, dim.max) for _ in range(random_count)]
+    return [min(max(size, dim.min), dim.max) for size in planned]
+
+
+def run_order(shapes: Sequence[LiveShape]) -> list[LiveShape]:
+    """From the largest down to the smallest, then back up, so one instance shrinks and grows."""
+    descending = list(reversed(shapes))
+    return descending + descending[-2::-1]
+
+
+def label(shape: LiveShape) -> str:
+    return ",".join(f"{name}={size}" for name, size in shape.items())
+
+
+def step(shape: LiveShape) -> int:
+    """The live size MLflow plots against: the size of the model's first dynamic dim."""
+    return next(iter(shape.values()))

@@ -1,0 +1,128 @@
+"""The validation report: every execution's statistics, the worst per live shape, and a table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from tabulate import tabulate
+
+from exporter.validate.compare import OutputStats
+from exporter.validate.plan import LiveShape, label
+
+# The statistics that are worse when larger, in report order.
+STATS = ("max_abs", "mean_abs", "max_rel", "p99_abs", "nrmse", "needed_atol")
+
+
+@dataclass(frozen=True)
+class Execution:
+    shape: LiveShape
+    # "reused": the one loaded instance that runs every shape; "fresh": a newly loaded one.
+    instance: str
+    latency_ms: float
+    outputs: tuple[OutputStats, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(output.passed for output in self.outputs)
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """One live shape: the worst of each statistic over its executions and outputs."""
+
+    shape: LiveShape
+    runs: int
+    stats: dict[str, float]
+    latency_ms: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Report:
+    atol: float
+    rtol: float
+    output_names: tuple[str, ...]
+    shapes: tuple[LiveShape, ...]
+    executions: tuple[Execution, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(execution.passed for execution in self.executions)
+
+    def by_shape(self) -> list[ShapeResult]:
+        results = []
+        for shape in self.shapes:
+            runs = [e for e in self.executions if e.shape == shape]
+            outputs = [output for run in runs for output in run.outputs]
+            results.append(
+                ShapeResult(
+                    shape=shape,
+                    runs=len(runs),
+                    stats={stat: max(getattr(o, stat) for o in outputs) for stat in STATS},
+                    latency_ms=min(run.latency_ms for run in runs),
+                    passed=all(run.passed for run in runs),
+                )
+            )
+        return results
+
+    def worst(self, stat: str) -> float:
+        return max(result.stats[stat] for result in self.by_shape())
+
+    def failures(self) -> list[ShapeResult]:
+        return [result for result in self.by_shape() if not result.passed]
+
+    def table(self) -> str:
+        rows = [
+            [
+                label(result.shape),
+                result.runs,
+                *(f"{result.stats[stat]:.3g}" for stat in STATS),
+                f"{result.latency_ms:.3f}",
+                "ok" if result.passed else "FAIL",
+            ]
+            for result in self.by_shape()
+        ]
+        headers = ["shape", "runs", *STATS, "latency_ms", "verdict"]
+        return tabulate(rows, headers=headers, disable_numparse=True)
+
+    def to_json(self) -> dict:
+        return _json_safe(
+            {
+                "passed": self.passed,
+                "atol": self.atol,
+                "rtol": self.rtol,
+                "outputs": list(self.output_names),
+                "shapes": [
+                    {
+                        "shape": result.shape,
+                        "runs": result.runs,
+                        **result.stats,
+                        "latency_ms": result.latency_ms,
+                        "passed": result.passed,
+                    }
+                    for result in self.by_shape()
+                ],
+                "executions": [
+                    {
+                        "shape": execution.shape,
+                        "instance": execution.instance,
+                        "latency_ms": execution.latency_ms,
+                        "passed": execution.passed,
+                        "outputs": [asdict(output) for output in execution.outputs],
+                    }
+                    for execution in self.executions
+                ],
+            }
+        )
+
+
+def _json_safe(value: object) -> object:
+    """Strict JSON has no inf or NaN; they are written as the strings "inf" and "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
