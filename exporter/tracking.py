@@ -1,0 +1,139 @@
+"""The tracking stage: one MLflow run per job, written when the job has ended.
+
+Written at the end, through MlflowClient, with the job's real start time: a job that fails
+half-way still gets its run, marked FAILED with the stage that failed, and nothing but this
+stage talks to the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from exporter.config import MlflowConfig
+from exporter.errors import TrackingFailed
+from exporter.record import JobRecord, now_ms
+from exporter.validate.plan import step
+
+log = logging.getLogger(__name__)
+
+# log_batch's limits per call (MLflow REST API).
+_MAX_PARAMS, _MAX_METRICS, _MAX_TAGS = 100, 1000, 100
+
+
+def log_job(
+    record: JobRecord,
+    cfg: MlflowConfig,
+    params: Mapping[str, str],
+    choices: Mapping[str, str],
+    run_name: str,
+) -> str:
+    """Records the job as an MLflow run and returns its id."""
+    try:
+        client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
+        experiment_id = _experiment_id(client, cfg)
+        run = client.create_run(experiment_id, start_time=record.started_ms, run_name=run_name)
+    except MlflowException as error:
+        raise TrackingFailed(
+            f"cannot open the MLflow store at mlflow.tracking_uri={cfg.tracking_uri}: {error}"
+        ) from error
+    run_id = run.info.run_id
+    try:
+        _log_batched(client, run_id, params, _metrics(record), _tags(record, choices))
+        client.log_artifacts(run_id, str(record.run_dir))
+        if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
+            client.log_artifact(run_id, str(record.artifact.path))
+    except (MlflowException, OSError) as error:
+        client.set_terminated(run_id, "FAILED", end_time=now_ms())
+        raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+    client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
+    log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, cfg.tracking_uri)
+    return run_id
+
+
+def _prepared_uri(uri: str) -> str:
+    # SQLite creates the file but not its folder.
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return uri
+
+
+def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
+    experiment = client.get_experiment_by_name(cfg.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(
+            cfg.experiment, artifact_location=cfg.artifact_location or None
+        )
+    except MlflowException:
+        # Another job created it since we looked.
+        experiment = client.get_experiment_by_name(cfg.experiment)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def _metrics(record: JobRecord) -> list[Metric]:
+    at = record.ended_ms or now_ms()
+    metrics = [Metric(f"{stage}_s", seconds, at, 0) for stage, seconds in record.seconds.items()]
+    if record.artifact:
+        metrics.append(Metric("artifact_bytes", record.artifact.path.stat().st_size, at, 0))
+        if record.artifact.partition:
+            metrics.append(
+                Metric("delegated_fraction", record.artifact.partition.delegated_fraction, at, 0)
+            )
+    if record.report:
+        report = record.report
+        metrics += [
+            Metric("worst_max_abs_err", report.worst("max_abs"), at, 0),
+            Metric("worst_nrmse", report.worst("nrmse"), at, 0),
+            Metric("needed_atol", report.worst("needed_atol"), at, 0),
+        ]
+        for result in report.by_shape():
+            size = step(result.shape)
+            metrics += [
+                Metric("max_abs_err", result.stats["max_abs"], at, size),
+                Metric("max_rel_err", result.stats["max_rel"], at, size),
+                Metric("nrmse", result.stats["nrmse"], at, size),
+                Metric("latency_ms", result.latency_ms, at, size),
+            ]
+    return metrics
+
+
+def _tags(record: JobRecord, choices: Mapping[str, str]) -> dict[str, str]:
+    tags = {
+        "status": {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed"}[record.status],
+        "exit_code": str(record.exit_code),
+        # Hydra's choice per top-level group; nested groups are schemas and Hydra's own.
+        **{group: str(choice) for group, choice in choices.items() if "/" not in group},
+    }
+    if record.error:
+        tags["failed_stage"] = record.error.stage
+        tags["error"] = str(record.error)[:5000]
+        tags["mlflow.note.content"] = f"Failed at {record.error.stage}:\n\n{record.error}"
+    return tags
+
+
+def _log_batched(
+    client: MlflowClient,
+    run_id: str,
+    params: Mapping[str, str],
+    metrics: list[Metric],
+    tags: Mapping[str, str],
+) -> None:
+    for chunk in _chunks([Param(k, v) for k, v in params.items()], _MAX_PARAMS):
+        client.log_batch(run_id, params=chunk)
+    for chunk in _chunks(metrics, _MAX_METRICS):
+        client.log_batch(run_id, metrics=chunk)
+    for chunk in _chunks([RunTag(k, v) for k, v in tags.items()], _MAX_TAGS):
+        client.log_batch(run_id, tags=chunk)
+
+
+def _chunks(items: list, size: int) -> Iterable[list]:
+    return (items[start : start + size] for start in range(0, len(items), size))

@@ -1,0 +1,169 @@
+"""The command a user types, end to end: exit codes, files, and what lands in MLflow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from executorch.runtime import Runtime
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+from exporter import config, models
+from exporter.models import DynamicDim
+from exporter.validate.plan import plan
+from tests.conftest import CONF_DIR, CliResult, run_exporter
+
+
+def metric_steps(result: CliResult, run_id: str, key: str) -> list[int]:
+    history = MlflowClient(result.tracking_uri).get_metric_history(run_id, key)
+    return sorted(metric.step for metric in history)
+
+
+def planned(result: CliResult, dim: str) -> list[int]:
+    return [entry["shape"][dim] for entry in result.report()["shapes"]]
+
+
+def assert_user_error(result: CliResult, code: int, *phrases: str) -> None:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    for phrase in phrases:
+        assert phrase in result.output, result.output
+
+
+def run_pte(path: Path, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    return Runtime.get().load_program(path).load_method("forward").execute(list(inputs))
+
+
+@pytest.fixture(scope="module")
+def mlp_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
+    """model=mlp on executorch under fallback=strict: every node of an MLP is delegated."""
+    return run_exporter(tmp_path_factory.mktemp("mlp"), "model=mlp", "fallback=strict")
+
+
+def test_mlp_job_passes_and_writes_a_pte_executorch_runs(mlp_job: CliResult) -> None:
+    assert mlp_job.exit_code == 0, mlp_job.output
+    assert "passed at all 7 live shapes" in mlp_job.output
+    (output,) = run_pte(mlp_job.run_dir / "model.pte", torch.randn(5, 32))
+    assert output.shape == (5, 16)
+    partition = (mlp_job.run_dir / "partition.json").read_text()
+    assert '"delegated_fraction": 1.0' in partition
+
+
+def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: CliResult) -> None:
+    (run,) = mlp_job.mlflow_runs()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["status"] == "passed"
+    assert run.data.tags["model"] == "mlp"
+    assert run.data.tags["backend"] == "executorch"
+    assert run.data.tags["fallback"] == "strict"
+    assert run.data.params["dynamic.batch.max"] == "64"
+    assert run.data.metrics["delegated_fraction"] == 1.0
+    assert run.data.metrics["artifact_bytes"] == (mlp_job.run_dir / "model.pte").stat().st_size
+    for key in ("export_s", "lower_s", "validate_s", "worst_max_abs_err"):
+        assert key in run.data.metrics
+    sizes = planned(mlp_job, "batch")
+    assert sizes == [1, 2, 33, 50, 54, 63, 64]
+    for key in ("max_abs_err", "max_rel_err", "nrmse", "latency_ms"):
+        assert metric_steps(mlp_job, run.info.run_id, key) == sizes
+    artifacts = {a.path for a in MlflowClient(mlp_job.tracking_uri).list_artifacts(run.info.run_id)}
+    assert {"model.pte", "program.pt2", "config.yaml", ".hydra", "report.json"} <= artifacts
+
+
+def test_llama_on_executorch_matches_eager_at_every_planned_size(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=llama", "backend=executorch")
+    assert result.exit_code == 0, result.output
+    (logits,) = run_pte(result.run_dir / "model.pte", torch.randint(0, 512, (1, 9)))
+    assert logits.shape == (1, 9, 512)
+    (run,) = result.mlflow_runs()
+    assert run.info.status == "FINISHED"
+    sizes = planned(result, "seq")
+    assert {1, 2, 65, 127, 128} <= set(sizes)
+    seq = DynamicDim("seq", (("input_ids", 1),), 1, 128)
+    assert sizes == [shape["seq"] for shape in plan([seq], [], 2, seed=0)]
+    assert metric_steps(result, run.info.run_id, "max_abs_err") == sizes
+    report = result.report()
+    assert report["passed"]
+    assert len(report["executions"]) == 2 * len(sizes)
+    assert run.data.metrics["worst_max_abs_err"] < 1e-4
+
+
+def test_weights_perturbed_after_lowering_fail_validation(
+    mlp_job: CliResult, exporter_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        job = config.to_job(compose("config", overrides=["model=mlp"]))
+    weight = models.build(job.model, job.dynamic).module.state_dict()["2.weight"]
+    data = bytearray((mlp_job.run_dir / "model.pte").read_bytes())
+    original = weight.numpy().tobytes()
+    offset = data.find(original)
+    assert offset >= 0, "the second layer's weights are not stored verbatim in the .pte"
+    data[offset : offset + len(original)] = (weight * 1.01).numpy().tobytes()
+    perturbed = tmp_path / "perturbed.pte"
+    perturbed.write_bytes(data)
+
+    untouched = exporter_cli("model=mlp", f"artifact={mlp_job.run_dir / 'model.pte'}")
+    assert untouched.exit_code == 0, untouched.output
+
+    result = exporter_cli("model=mlp", f"artifact={perturbed}")
+    assert_user_error(result, 1, "live shapes differ from eager", "smallest atol that would pass")
+    report = result.report()
+    assert not report["passed"]
+    assert all(not shape["passed"] for shape in report["shapes"])
+    (run,) = result.mlflow_runs()
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failed_stage"] == "validate"
+    assert run.data.metrics["worst_max_abs_err"] > 1e-3
+
+
+def test_an_artifact_the_runtime_cannot_load_exits_5(
+    exporter_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    junk = tmp_path / "junk.pte"
+    junk.write_bytes(b"not a program" * 100)
+    result = exporter_cli("model=mlp", f"artifact={junk}")
+    assert_user_error(result, 5, f"cannot load {junk}")
+    (run,) = result.mlflow_runs()
+    assert (run.info.status, run.data.tags["failed_stage"]) == ("FAILED", "runtime")
+
+
+def test_strict_fallback_fails_lowering_and_lists_the_ops_left_outside(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=llama", "model.num_hidden_layers=1", "fallback=strict")
+    assert_user_error(result, 4, "fallback=strict", "outside the XNNPACK delegate", "aten.")
+    assert not (result.run_dir / "model.pte").exists()
+    assert (result.run_dir / "program.pt2").exists()
+    (run,) = result.mlflow_runs()
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failed_stage"] == "lower"
+
+
+def test_eager_backend_validates_the_exported_program_without_mlflow(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=mlp", "backend=eager", "mlflow=off")
+    assert result.exit_code == 0, result.output
+    assert result.report()["passed"]
+    assert not (result.run_dir / "model.pte").exists()
+    assert not (result.run_dir.parent / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phrases"),
+    [
+        (["dynamic.seq.min=300"], ["dynamic.seq: min (300) is greater than max (128)"]),
+        (["backend=tflite"], ["Could not find 'backend/tflite'", "eager", "executorch"]),
+        (["model=mlp", "validate.extra_shapes=[65]"], ["65, outside dynamic.batch bounds [1, 64]"]),
+        (["model.checkpoint=/no/such/dir"], ["model.checkpoint=/no/such/dir: no such directory"]),
+    ],
+)
+def test_bad_configuration_exits_2_with_a_clear_message(
+    exporter_cli: Callable[..., CliResult], overrides: list[str], phrases: list[str]
+) -> None:
+    result = exporter_cli(*overrides)
+    assert_user_error(result, 2, *phrases)

@@ -1,0 +1,101 @@
+"""Composition with Hydra's compose API: the defaults, the typed schema, and the bound checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig
+
+from exporter import config, models
+from exporter.config import FallbackPolicy, LlamaConfig, MlpConfig
+from exporter.errors import ConfigError
+from tests.conftest import CONF_DIR
+
+
+def composed(*overrides: str) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_defaults_are_llama_on_executorch_with_local_mlflow() -> None:
+    job = config.to_job(composed())
+    assert isinstance(job.model, LlamaConfig)
+    assert (job.model.hidden_size, job.model.num_hidden_layers) == (64, 2)
+    assert (job.model.num_attention_heads, job.model.num_key_value_heads) == (4, 2)
+    assert job.model.vocab_size == 512
+    assert job.backend.name == "executorch"
+    assert job.fallback.policy is FallbackPolicy.auto
+    assert (job.dynamic["seq"].min, job.dynamic["seq"].max) == (1, 128)
+    assert job.mlflow.enabled
+    assert job.mlflow.tracking_uri == f"sqlite:///{config.PROJECT_ROOT}/outputs/mlflow.db"
+
+
+def test_dynamic_bounds_follow_the_model_and_take_overrides() -> None:
+    job = config.to_job(composed("model=mlp", "dynamic.batch.max=32"))
+    assert isinstance(job.model, MlpConfig)
+    assert set(job.dynamic) == {"batch"}
+    assert job.dynamic["batch"].max == 32
+
+
+def test_tolerances_come_from_the_backend_unless_validate_overrides_them() -> None:
+    assert (config.to_job(composed("backend=eager")).atol) == 1e-5
+    job = config.to_job(composed("backend=eager", "validate.atol=0.5"))
+    assert (job.atol, job.rtol) == (0.5, 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dynamic.seq.min=300", "dynamic.seq: min (300) is greater than max (128)"),
+        ("dynamic.seq.min=0", "dynamic.seq.min is 0; it must be at least 1"),
+        ("validate.extra_shapes=[129]", "validate.extra_shapes has 129, outside dynamic.seq"),
+        ("validate.random_shapes=-1", "validate.random_shapes is -1"),
+        ("validate.atol=-1", "The tolerance atol is -1.0"),
+        ("artifact=/no/such.pte", "artifact=/no/such.pte: no such file"),
+    ],
+)
+def test_values_outside_their_range_are_config_errors(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.to_job(composed(override))
+
+
+def test_wrong_types_and_keys_fail_at_compose_time() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"dynamic\.seq\.min=abc"):
+        composed("dynamic.seq.min=abc")
+    with pytest.raises(ConfigCompositionException, match=r"model\.hidden"):
+        composed("model.hidden=3")
+    with pytest.raises(ConfigCompositionException) as error:
+        composed("fallback.policy=everything")
+    assert "expected one of [auto, strict]" in str(error.value.__cause__)
+
+
+def test_unknown_backend_lists_the_available_ones() -> None:
+    with pytest.raises(MissingConfigException) as error:
+        composed("backend=tflite")
+    assert "backend/tflite" in str(error.value)
+    assert error.value.options == ["eager", "executorch"]
+
+
+def test_a_bound_the_model_does_not_use_is_an_error() -> None:
+    job = config.to_job(composed("dynamic=mlp"))
+    with pytest.raises(
+        ConfigError, match="model 'llama' has no dynamic dim 'batch'; its dims are: seq"
+    ):
+        models.build(job.model, job.dynamic)
+
+
+def test_a_bound_beyond_the_model_limit_is_an_error() -> None:
+    job = config.to_job(composed("model.max_position_embeddings=64", "dynamic.seq.max=65"))
+    with pytest.raises(ConfigError, match=r"dynamic.seq.max is 65, beyond .* \(64\)"):
+        models.build(job.model, job.dynamic)
+
+
+def test_params_are_the_flattened_resolved_config() -> None:
+    params = config.flatten(composed("model=mlp"))
+    assert params["dynamic.batch.max"] == "64"
+    assert params["fallback.policy"] == "auto"
+    assert params["mlflow.tracking_uri"].startswith("sqlite:///")
+    assert "${" not in "".join(params.values())

@@ -1,0 +1,101 @@
+"""Model builders: seeded random weights, and real loading of a local Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig as HfLlamaConfig
+from transformers import LlamaForCausalLM
+
+from exporter import models
+from exporter.config import DimBounds, LlamaConfig
+from exporter.errors import ConfigError
+from tests.conftest import CliResult
+
+SEQ = {"seq": DimBounds(min=1, max=16)}
+
+
+def small_llama(**overrides: object) -> LlamaConfig:
+    fields = dict(
+        name="llama",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return LlamaConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
+    torch.manual_seed(7)
+    hf_config = HfLlamaConfig(
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=200,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(hf_config).eval()
+    directory = tmp_path_factory.mktemp("checkpoint")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_random_weights_are_seeded() -> None:
+    first = models.build(small_llama(seed=1), SEQ).module.state_dict()
+    again = models.build(small_llama(seed=1), SEQ).module.state_dict()
+    other = models.build(small_llama(seed=2), SEQ).module.state_dict()
+    key = "model.model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(first[key], again[key])
+    assert not torch.equal(first[key], other[key])
+
+
+def test_token_ids_are_drawn_in_vocabulary_range() -> None:
+    bundle = models.build(small_llama(), SEQ)
+    (ids,) = bundle.make_inputs({"seq": 16}, 3)
+    assert ids.shape == (1, 16)
+    assert ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < 128
+    assert torch.equal(ids, bundle.make_inputs({"seq": 16}, 3)[0])
+
+
+def test_checkpoint_loads_the_saved_weights_and_shape(checkpoint) -> None:
+    directory, saved = checkpoint
+    bundle = models.build(small_llama(checkpoint=str(directory)), SEQ)
+    (ids,) = bundle.make_inputs({"seq": 5}, 0)
+    assert int(ids.max()) < 200
+    with torch.no_grad():
+        assert torch.equal(bundle.module(ids), saved(input_ids=ids, use_cache=False).logits)
+
+
+def test_checkpoint_limits_the_bounds_to_its_max_positions(checkpoint) -> None:
+    directory, _ = checkpoint
+    with pytest.raises(ConfigError, match=r"beyond what model 'llama' supports \(32\)"):
+        models.build(small_llama(checkpoint=str(directory)), {"seq": DimBounds(1, 33)})
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        models.build(small_llama(checkpoint=str(tmp_path)), SEQ)
+
+
+def test_checkpoint_job_runs_from_the_command_line(
+    checkpoint, exporter_cli: Callable[..., CliResult]
+) -> None:
+    directory, _ = checkpoint
+    result = exporter_cli(
+        "model=llama", f"model.checkpoint={directory}", "backend=eager", "dynamic.seq.max=32"
+    )
+    assert result.exit_code == 0, result.output
+    (run,) = result.mlflow_runs()
+    assert run.data.params["model.checkpoint"] == str(directory)
+    assert result.report()["passed"]
