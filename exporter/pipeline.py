@@ -40,10 +40,11 @@ TRACEBACK_FILE = "traceback.txt"
 def run(cfg: DictConfig, run_dir: Path, choices: Mapping[str, str]) -> int:
     """Runs one job and returns its exit code (0 ok, 1 validation failed, 2..5 a stage failed)."""
     record = JobRecord(run_dir=run_dir)
-    job = None
+    store = None
     try:
         job = config.to_job(cfg)
         write_bytes(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
+        store = tracking.open_store(job.mlflow) if job.mlflow.enabled else None
         _run_stages(job, record)
     except ExporterError as error:
         record.error = error
@@ -54,10 +55,10 @@ def run(cfg: DictConfig, run_dir: Path, choices: Mapping[str, str]) -> int:
         log.error("interrupted; the run dir keeps what was written: %s", run_dir)
     record.ended_ms = now_ms()
 
-    if job is not None and job.mlflow.enabled:
+    if store is not None:
         try:
             run_name = f"{job.model.name}-{job.backend.name}"
-            tracking.log_job(record, job.mlflow, config.flatten(cfg), choices, run_name)
+            tracking.log_job(store, record, config.flatten(cfg), choices, run_name)
         except ExporterError as error:
             log.error("[%s] %s", error.stage, error)
             return record.exit_code or error.exit_code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
@@ -26,33 +27,52 @@ log = logging.getLogger(__name__)
 _MAX_PARAMS, _MAX_METRICS, _MAX_TAGS = 100, 1000, 100
 
 
+@dataclass(frozen=True)
+class Store:
+    client: MlflowClient
+    experiment_id: str
+    uri: str
+
+
+def open_store(cfg: MlflowConfig) -> Store:
+    """Opens the store and its experiment before the job's work, so a bad URI costs nothing."""
+    try:
+        client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
+        return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
+    # Whatever stops the store from opening (a bad URI, a path that cannot be written, a server
+    # that does not answer) surfaces as a different exception type; all of them mean the same.
+    except Exception as error:
+        raise TrackingFailed(
+            f"cannot open the MLflow store at mlflow.tracking_uri={cfg.tracking_uri}: {error}"
+        ) from error
+
+
 def log_job(
+    store: Store,
     record: JobRecord,
-    cfg: MlflowConfig,
     params: Mapping[str, str],
     choices: Mapping[str, str],
     run_name: str,
 ) -> str:
-    """Records the job as an MLflow run and returns its id."""
+    """Records the ended job as an MLflow run and returns its id."""
+    client = store.client
     try:
-        client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
-        experiment_id = _experiment_id(client, cfg)
-        run = client.create_run(experiment_id, start_time=record.started_ms, run_name=run_name)
-    except MlflowException as error:
-        raise TrackingFailed(
-            f"cannot open the MLflow store at mlflow.tracking_uri={cfg.tracking_uri}: {error}"
-        ) from error
+        run = client.create_run(
+            store.experiment_id, start_time=record.started_ms, run_name=run_name
+        )
+    except Exception as error:
+        raise TrackingFailed(f"cannot create an MLflow run in {store.uri}: {error}") from error
     run_id = run.info.run_id
     try:
         _log_batched(client, run_id, params, _metrics(record), _tags(record, choices))
         client.log_artifacts(run_id, str(record.run_dir))
         if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
             client.log_artifact(run_id, str(record.artifact.path))
-    except (MlflowException, OSError) as error:
+    except Exception as error:
         client.set_terminated(run_id, "FAILED", end_time=now_ms())
         raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
     client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
-    log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, cfg.tracking_uri)
+    log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)
     return run_id
 
 

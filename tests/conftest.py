@@ -44,10 +44,11 @@ def run_exporter(workdir: Path, *overrides: str) -> CliResult:
         sys.executable,
         "-m",
         "exporter",
-        *overrides,
         f"hydra.run.dir={run_dir}",
         f"mlflow.tracking_uri={tracking_uri}",
         f"mlflow.artifact_location={workdir}/mlartifacts",
+        # Last, so a test can override the defaults above.
+        *overrides,
     ]
     completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
     return CliResult(

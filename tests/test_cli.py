@@ -167,3 +167,11 @@ def test_bad_configuration_exits_2_with_a_clear_message(
 ) -> None:
     result = exporter_cli(*overrides)
     assert_user_error(result, 2, *phrases)
+
+
+def test_an_mlflow_store_that_cannot_open_stops_the_job_before_any_work(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=mlp", "mlflow.tracking_uri=foo://bar")
+    assert_user_error(result, 2, "cannot open the MLflow store at mlflow.tracking_uri=foo://bar")
+    assert not (result.run_dir / "program.pt2").exists()
