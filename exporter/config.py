@@ -68,16 +68,6 @@ class BackendConfig:
     rtol: float = MISSING
 
 
-@dataclass
-class EagerBackendConfig(BackendConfig):
-    pass
-
-
-@dataclass
-class ExecutorchBackendConfig(BackendConfig):
-    pass
-
-
 class FallbackPolicy(Enum):
     auto = "auto"
     strict = "strict"
@@ -159,8 +149,7 @@ def register_schemas() -> None:
     store.store(name="job_schema", node=JobConfig)
     store.store(group="schema/model", name="llama", node=LlamaConfig)
     store.store(group="schema/model", name="mlp", node=MlpConfig)
-    store.store(group="schema/backend", name="eager", node=EagerBackendConfig)
-    store.store(group="schema/backend", name="executorch", node=ExecutorchBackendConfig)
+    store.store(group="schema/backend", name="backend", node=BackendConfig)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)
     store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)

@@ -26,6 +26,7 @@ from exporter.errors import (
 )
 from exporter.files import write_bytes, write_json
 from exporter.record import JobRecord, now_ms
+from exporter.validate.plan import label
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
@@ -96,8 +97,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
     if not report.passed:
         failed = ", ".join(
-            f"{validate.label(r.shape)} (max_abs {r.stats['max_abs']:.3g})"
-            for r in report.failures()
+            f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in report.failures()
         )
         raise ValidationFailed(
             f"{len(report.failures())} of {len(report.shapes)} live shapes differ from eager "

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from exporter.backends.artifact import Artifact
-from exporter.config import EagerBackendConfig, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig
 from exporter.export import Exported
 
 log = logging.getLogger(__name__)
@@ -16,7 +16,7 @@ ARTIFACT_FILE = "program.pt2"
 
 
 def lower(
-    exported: Exported, backend: EagerBackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
     # Nothing to lower and nothing to fall back from: every node runs in PyTorch.
     log.info("[lower] eager: the exported program is the artifact")

@@ -13,7 +13,7 @@ from executorch.exir.lowered_backend_module import LoweredBackendModule
 
 from exporter.backends.artifact import Artifact
 from exporter.backends.partition import CPU, NodePlacement, PartitionSummary, enforce
-from exporter.config import ExecutorchBackendConfig, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig
 from exporter.export import Exported
 from exporter.files import atomic_path
 
@@ -24,7 +24,7 @@ ARTIFACT_FILE = "model.pte"
 
 
 def lower(
-    exported: Exported, backend: ExecutorchBackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
     log.info("[lower] ExecuTorch: XNNPACK partitioner, fallback=%s", fallback.policy.value)
     edge = to_edge_transform_and_lower(exported.program, partitioner=[XnnpackPartitioner()])

@@ -26,7 +26,7 @@ from runtimes import Loaded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Report", "label", "run"]
+__all__ = ["Report", "run"]
 
 
 def run(
