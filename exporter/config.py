@@ -107,6 +107,9 @@ class JobConfig:
     mlflow: MlflowConfig = MISSING
     # A pre-built artifact to validate instead of exporting and lowering the model.
     artifact: str | None = None
+    # Reuse exported programs, goldens and lowered artifacts across jobs (`cache=off`: rebuild).
+    cache: bool = True
+    cache_dir: str = "${project_root:}/outputs/cache"
 
     def __post_init__(self) -> None:
         for name, bounds in self.dynamic.items():
@@ -165,6 +168,15 @@ def to_job(cfg: DictConfig) -> JobConfig:
     except OmegaConfBaseException as error:
         raise ConfigError(str(error)) from error
     return job
+
+
+def mlflow_of(cfg: DictConfig) -> MlflowConfig:
+    """The job's MLflow settings alone, typed: usable when a value elsewhere is wrong."""
+    try:
+        mlflow: Any = OmegaConf.to_object(cfg.mlflow)
+    except OmegaConfBaseException as error:
+        raise ConfigError(str(error)) from error
+    return mlflow
 
 
 def flatten(cfg: DictConfig) -> dict[str, str]:

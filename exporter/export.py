@@ -52,3 +52,8 @@ def run(bundle: ModelBundle, out_dir: Path) -> Exported:
     with atomic_path(path) as temporary:
         torch.export.save(program, temporary)
     return Exported(program=program, path=path)
+
+
+def load(path: Path) -> Exported:
+    """A program that `run` saved, as `run` returned it."""
+    return Exported(program=torch.export.load(path), path=path)

@@ -2,20 +2,30 @@
 
 Each stage takes what the previous one returned. A stage's failure becomes the ExporterError of
 that stage, whose exit code the job returns; the run dir keeps every file written before it.
+Exported programs, goldens and lowered artifacts come from the cache when a job before this one
+made them from the same inputs; the run dir gets links to them either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import logging
+import shutil
+import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, config, export, models, tracking, validate
+from exporter import backends, comparison, config, export, models, tracking, validate
+from exporter.backends import Artifact
+from exporter.cache import Cache, link_files
 from exporter.errors import (
     ConfigError,
     ExporterError,
@@ -24,28 +34,41 @@ from exporter.errors import (
     RuntimeFailed,
     ValidationFailed,
 )
+from exporter.export import Exported
 from exporter.files import write_bytes, write_json
 from exporter.record import JobRecord, now_ms
-from exporter.validate.plan import label
+from exporter.validate import goldens
+from exporter.validate.plan import label, plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
-PARTITION_FILE = "partition.json"
 CONFIG_FILE = "config.yaml"
 TRACEBACK_FILE = "traceback.txt"
 
 
-def run(cfg: DictConfig, run_dir: Path, choices: Mapping[str, str]) -> int:
-    """Runs one job and returns its exit code (0 ok, 1 validation failed, 2..5 a stage failed)."""
+def run(
+    cfg: DictConfig,
+    run_dir: Path,
+    choices: Mapping[str, str],
+    run_name: str,
+    parent_run_id: str | None = None,
+) -> int:
+    """Runs one job and returns its exit code (0 ok, 1 validation failed, 2..5 a stage failed).
+
+    `parent_run_id`: the sweep's MLflow run to nest this job's run under, if any.
+    """
     record = JobRecord(run_dir=run_dir)
     store = None
     try:
+        mlflow = config.mlflow_of(cfg)
+        # Opened before the rest of the config is checked: a job of a sweep with a bad value
+        # elsewhere still gets its FAILED run; a bad tracking URI costs no work.
+        store = tracking.open_store(mlflow) if mlflow.enabled else None
         job = config.to_job(cfg)
         write_bytes(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
-        store = tracking.open_store(job.mlflow) if job.mlflow.enabled else None
         _run_stages(job, record)
     except ExporterError as error:
         record.error = error
@@ -55,11 +78,15 @@ def run(cfg: DictConfig, run_dir: Path, choices: Mapping[str, str]) -> int:
         record.interrupted = True
         log.error("interrupted; the run dir keeps what was written: %s", run_dir)
     record.ended_ms = now_ms()
+    # Hydra's choice per top-level group; nested groups are schemas and Hydra's own.
+    groups = {group: str(choice) for group, choice in choices.items() if "/" not in group}
+    summary = comparison.JobSummary.of(record, groups)
+    summary.write(run_dir)
+    comparison.write_plots([summary], [run_name], run_dir)
 
     if store is not None:
         try:
-            run_name = f"{job.model.name}-{job.backend.name}"
-            tracking.log_job(store, record, config.flatten(cfg), choices, run_name)
+            tracking.log_job(store, record, config.flatten(cfg), groups, run_name, parent_run_id)
         except ExporterError as error:
             log.error("[%s] %s", error.stage, error)
             return record.exit_code or error.exit_code
@@ -68,6 +95,7 @@ def run(cfg: DictConfig, run_dir: Path, choices: Mapping[str, str]) -> int:
 
 def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     run_dir = record.run_dir
+    cache = Cache(Path(job.cache_dir)) if job.cache else None
     with _stage(record, "model", ConfigError):
         bundle = models.build(job.model, job.dynamic)
     if job.artifact:
@@ -75,12 +103,15 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
         with _stage(record, "export", ExportFailed):
-            exported = export.run(bundle, run_dir)
+            material = _export_material(job)
+            with _built(
+                cache, record, "export", material, lambda out: export.run(bundle, out)
+            ) as folder:
+                link_files(folder, run_dir)
+            exported = export.load(run_dir / export.PROGRAM_FILE)
         with _stage(record, "lower", LoweringFailed):
-            artifact = backends.lower(exported, job, run_dir)
+            artifact = _lower(cache, record, job, exported)
     record.artifact = artifact
-    if artifact.partition:
-        write_json(run_dir / PARTITION_FILE, artifact.partition.to_json())
 
     def load() -> Loaded:
         try:
@@ -91,7 +122,23 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
             ) from error
 
     with _stage(record, "validate", RuntimeFailed):
-        report = validate.run(bundle, load, job.validate, job.atol, job.rtol)
+        shapes = plan(
+            bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, job.validate.seed
+        )
+        seed = job.validate.seed
+        # Goldens are kept in the cache only, never in the run dir: they are not a result, and
+        # can be larger than the artifact.
+        if cache is None:
+            expected = goldens.compute(bundle, shapes, seed)
+        else:
+            material = {**_export_material(job), "shapes": shapes, "seed": seed}
+            folder, record.cache_hits["goldens"] = cache.fetch(
+                "goldens",
+                material,
+                lambda out: goldens.save(goldens.compute(bundle, shapes, seed), out),
+            )
+            expected = goldens.load(folder)
+        report = validate.run(bundle, load, shapes, expected, job.atol, job.rtol)
     record.report = report
     write_json(run_dir / REPORT_FILE, report.to_json())
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
@@ -105,6 +152,64 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
             f"The smallest atol that would pass them all is {report.worst('needed_atol'):.3g}."
         )
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
+
+
+@contextmanager
+def _built(
+    cache: Cache | None,
+    record: JobRecord,
+    kind: str,
+    material: dict[str, Any],
+    build: Callable[[Path], object],
+) -> Iterator[Path]:
+    """Yields the folder holding the files `build(folder)` writes: the cache's entry for
+    `material`, built only if no job built it before, or with the cache off, a folder of its
+    own in the run dir, removed on exit. The caller links what it accepts into the run dir."""
+    if cache is not None:
+        entry, record.cache_hits[kind] = cache.fetch(kind, material, build)
+        yield entry
+        return
+    folder = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-"))
+    try:
+        build(folder)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _lower(
+    cache: Cache | None, record: JobRecord, job: config.JobConfig, exported: Exported
+) -> Artifact:
+    material = {
+        **_export_material(job),
+        "backend": dataclasses.asdict(job.backend),
+        "executorch": importlib.metadata.version("executorch"),
+    }
+    with _built(
+        cache, record, "lower", material, lambda out: backends.lower(exported, job, out)
+    ) as folder:
+        # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
+        backends.check_fallback(backends.lowered_in(folder, job), job)
+        link_files(folder, record.run_dir)
+    return backends.lowered_in(record.run_dir, job)
+
+
+def _export_material(job: config.JobConfig) -> dict[str, Any]:
+    """What determines the exported program, and with a seed and shapes, the goldens too."""
+    material: dict[str, Any] = {
+        "model": dataclasses.asdict(job.model),
+        "dynamic": {name: [b.min, b.max] for name, b in sorted(job.dynamic.items())},
+        "torch": torch.__version__,
+    }
+    checkpoint = getattr(job.model, "checkpoint", None)
+    if checkpoint:
+        # A checkpoint rewritten in place is another model.
+        material["checkpoint_files"] = {
+            str(path.relative_to(checkpoint)): [path.stat().st_size, path.stat().st_mtime_ns]
+            for path in sorted(Path(checkpoint).rglob("*"))
+            if path.is_file()
+        }
+    return material
 
 
 @contextmanager

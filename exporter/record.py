@@ -10,6 +10,9 @@ from exporter.backends import Artifact
 from exporter.errors import ExporterError
 from exporter.validate import Report
 
+# MLflow's run status -> the word the `status` tag and the comparison table use for it.
+OUTCOMES = {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed"}
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -24,6 +27,8 @@ class JobRecord:
     seconds: dict[str, float] = field(default_factory=dict)
     artifact: Artifact | None = None
     report: Report | None = None
+    # Per cached stage (export, goldens, lower): whether its work came from the cache.
+    cache_hits: dict[str, bool] = field(default_factory=dict)
     error: ExporterError | None = None
     interrupted: bool = False
 
@@ -39,3 +44,8 @@ class JobRecord:
         if self.interrupted:
             return "KILLED"
         return "FAILED" if self.error else "FINISHED"
+
+    @property
+    def outcome(self) -> str:
+        """How the job ended, in the words of its `status` tag and the comparison table."""
+        return OUTCOMES[self.status]

@@ -2,19 +2,26 @@
 
 Written at the end, through MlflowClient, with the job's real start time: a job that fails
 half-way still gets its run, marked FAILED with the stage that failed, and nothing but this
-stage talks to the store.
+stage talks to the store. A sweep's jobs are nested under the sweep's parent run.
+
+Jobs of a parallel sweep write to one SQLite file from several processes; SQLite lets one
+writer in at a time and makes the others fail with "database is locked" after a timeout, so
+every use of a SQLite store here holds a lock file beside the database first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from exporter.config import MlflowConfig
 from exporter.errors import TrackingFailed
@@ -37,8 +44,9 @@ class Store:
 def open_store(cfg: MlflowConfig) -> Store:
     """Opens the store and its experiment before the job's work, so a bad URI costs nothing."""
     try:
-        client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
-        return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
+        with _serialized(cfg.tracking_uri):
+            client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
+            return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
     # Whatever stops the store from opening (a bad URI, a path that cannot be written, a server
     # that does not answer) surfaces as a different exception type; all of them mean the same.
     except Exception as error:
@@ -53,27 +61,84 @@ def log_job(
     params: Mapping[str, str],
     choices: Mapping[str, str],
     run_name: str,
+    parent_run_id: str | None = None,
 ) -> str:
-    """Records the ended job as an MLflow run and returns its id."""
-    client = store.client
-    try:
-        run = client.create_run(
-            store.experiment_id, start_time=record.started_ms, run_name=run_name
-        )
-    except Exception as error:
-        raise TrackingFailed(f"cannot create an MLflow run in {store.uri}: {error}") from error
-    run_id = run.info.run_id
-    try:
-        _log_batched(client, run_id, params, _metrics(record), _tags(record, choices))
-        client.log_artifacts(run_id, str(record.run_dir))
-        if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
-            client.log_artifact(run_id, str(record.artifact.path))
-    except Exception as error:
-        client.set_terminated(run_id, "FAILED", end_time=now_ms())
-        raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
-    client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
+    """Records the ended job as an MLflow run, nested under `parent_run_id` if given."""
+    tags = _tags(record, choices)
+    if parent_run_id:
+        tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+    with _serialized(store.uri):
+        run_id = _create_run(store, record.started_ms, run_name)
+        try:
+            _log_batched(store.client, run_id, params, _metrics(record), tags)
+            store.client.log_artifacts(run_id, str(record.run_dir))
+            if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
+                store.client.log_artifact(run_id, str(record.artifact.path))
+        except Exception as error:
+            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
+            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+        store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
     log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)
     return run_id
+
+
+def start_sweep_run(store: Store, run_name: str, tags: Mapping[str, str]) -> str:
+    """The parent run of a sweep, open while its jobs run; returns its id."""
+    with _serialized(store.uri):
+        run_id = _create_run(store, now_ms(), run_name)
+        try:
+            _log_batched(store.client, run_id, {}, [], tags)
+        except Exception as error:
+            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
+            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+    log.info("[track] sweep's parent MLflow run %s in %s", run_id, store.uri)
+    return run_id
+
+
+def end_sweep_run(
+    store: Store,
+    run_id: str,
+    status: str,
+    metrics: Mapping[str, float],
+    tags: Mapping[str, str],
+    files: Iterable[Path],
+) -> None:
+    """Logs the sweep's comparison on its parent run and closes it with `status`."""
+    at = now_ms()
+    with _serialized(store.uri):
+        try:
+            _log_batched(
+                store.client, run_id, {}, [Metric(k, v, at, 0) for k, v in metrics.items()], tags
+            )
+            for path in files:
+                store.client.log_artifact(run_id, str(path))
+        except Exception as error:
+            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
+            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+        store.client.set_terminated(run_id, status, end_time=now_ms())
+
+
+def _create_run(store: Store, start_ms: int, run_name: str) -> str:
+    try:
+        run = store.client.create_run(store.experiment_id, start_time=start_ms, run_name=run_name)
+    except Exception as error:
+        raise TrackingFailed(f"cannot create an MLflow run in {store.uri}: {error}") from error
+    return run.info.run_id
+
+
+@contextmanager
+def _serialized(uri: str) -> Iterator[None]:
+    """Holds `<database>.lock` for a SQLite store, so one process at a time writes to it."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    lock_path = Path(_prepared_uri(uri).removeprefix("sqlite:///") + ".lock")
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _prepared_uri(uri: str) -> str:
@@ -128,11 +193,13 @@ def _metrics(record: JobRecord) -> list[Metric]:
 
 def _tags(record: JobRecord, choices: Mapping[str, str]) -> dict[str, str]:
     tags = {
-        "status": {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed"}[record.status],
+        "status": record.outcome,
         "exit_code": str(record.exit_code),
-        # Hydra's choice per top-level group; nested groups are schemas and Hydra's own.
-        **{group: str(choice) for group, choice in choices.items() if "/" not in group},
+        **choices,
     }
+    if record.cache_hits:
+        tags["cache_hit"] = str(any(record.cache_hits.values())).lower()
+        tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in record.cache_hits.items()})
     if record.error:
         tags["failed_stage"] = record.error.stage
         tags["error"] = str(record.error)[:5000]

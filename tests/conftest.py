@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -29,31 +30,72 @@ class CliResult:
         return json.loads((self.run_dir / "report.json").read_text())
 
     def mlflow_runs(self) -> list[Run]:
-        client = MlflowClient(self.tracking_uri)
-        experiment = client.get_experiment_by_name("exporter")
-        if experiment is None:
-            return []
-        return client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
+        return mlflow_runs(self.tracking_uri)
 
 
-def run_exporter(workdir: Path, *overrides: str) -> CliResult:
-    """`python -m exporter OVERRIDES...` with its run dir and MLflow store inside `workdir`."""
-    run_dir = workdir / "run"
-    tracking_uri = f"sqlite:///{workdir}/mlflow.db"
+def mlflow_runs(tracking_uri: str) -> list[Run]:
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("exporter")
+    if experiment is None:
+        return []
+    return client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
+
+
+def tracking_uri_in(workdir: Path) -> str:
+    return f"sqlite:///{workdir}/mlflow.db"
+
+
+def run_command(
+    workdir: Path, *overrides: str, multirun: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`python -m exporter [-m] OVERRIDES...` with its MLflow store and cache inside `workdir`."""
     command = [
         sys.executable,
         "-m",
         "exporter",
-        f"hydra.run.dir={run_dir}",
-        f"mlflow.tracking_uri={tracking_uri}",
+        # Hydra's flags come before the overrides.
+        *(["-m"] if multirun else []),
+        f"mlflow.tracking_uri={tracking_uri_in(workdir)}",
         f"mlflow.artifact_location={workdir}/mlartifacts",
+        f"cache_dir={workdir}/cache",
         # Last, so a test can override the defaults above.
         *overrides,
     ]
-    completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
-    return CliResult(
-        completed.returncode, completed.stdout + completed.stderr, run_dir, tracking_uri
-    )
+    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+
+
+def run_exporter(workdir: Path, *overrides: str) -> CliResult:
+    """One job, its run dir inside `workdir`."""
+    run_dir = workdir / "run"
+    completed = run_command(workdir, f"hydra.run.dir={run_dir}", *overrides)
+    output = completed.stdout + completed.stderr
+    return CliResult(completed.returncode, output, run_dir, tracking_uri_in(workdir))
+
+
+@dataclass
+class SweepResult:
+    exit_code: int
+    output: str
+    sweep_dir: Path
+    tracking_uri: str
+
+    def runs(self) -> list[Run]:
+        return mlflow_runs(self.tracking_uri)
+
+    def parent_and_children(self) -> tuple[Run, list[Run]]:
+        """The sweep's parent run and the runs nested under it, in job order."""
+        runs = self.runs()
+        sweep_dir = str(self.sweep_dir)
+        (parent,) = [r for r in runs if r.data.tags.get("sweep.dir") == sweep_dir]
+        children = [r for r in runs if r.data.tags.get(MLFLOW_PARENT_RUN_ID) == parent.info.run_id]
+        return parent, sorted(children, key=lambda run: run.info.run_name)
+
+
+def run_sweep(workdir: Path, sweep_dir: Path, *overrides: str) -> SweepResult:
+    """`-m`: a sweep into `sweep_dir`, its store and cache inside `workdir`."""
+    completed = run_command(workdir, f"hydra.sweep.dir={sweep_dir}", *overrides, multirun=True)
+    output = completed.stdout + completed.stderr
+    return SweepResult(completed.returncode, output, sweep_dir, tracking_uri_in(workdir))
 
 
 @pytest.fixture

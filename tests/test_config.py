@@ -15,9 +15,9 @@ from exporter.errors import ConfigError
 from tests.conftest import CONF_DIR
 
 
-def composed(*overrides: str) -> DictConfig:
+def composed(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def test_defaults_are_llama_on_executorch_with_local_mlflow() -> None:
@@ -31,6 +31,17 @@ def test_defaults_are_llama_on_executorch_with_local_mlflow() -> None:
     assert (job.dynamic["seq"].min, job.dynamic["seq"].max) == (1, 128)
     assert job.mlflow.enabled
     assert job.mlflow.tracking_uri == f"sqlite:///{config.PROJECT_ROOT}/outputs/mlflow.db"
+
+
+def test_the_cache_is_on_under_outputs_and_off_is_a_word_users_can_type() -> None:
+    job = config.to_job(composed())
+    assert (job.cache, job.cache_dir) == (True, f"{config.PROJECT_ROOT}/outputs/cache")
+    assert config.to_job(composed("cache=off")).cache is False
+
+
+def test_a_sweep_has_a_callback_for_its_parent_run_and_comparison() -> None:
+    callbacks = composed(return_hydra_config=True).hydra.callbacks
+    assert callbacks.sweep._target_ == "exporter.sweep.SweepCallback"
 
 
 def test_dynamic_bounds_follow_the_model_and_take_overrides() -> None:

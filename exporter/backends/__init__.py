@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from types import ModuleType
 
 from exporter.backends.artifact import Artifact
-from exporter.backends.partition import PartitionSummary
+from exporter.backends.partition import PARTITION_FILE, PartitionSummary, enforce
 from exporter.config import JobConfig
 from exporter.errors import ConfigError
 from exporter.export import Exported
+from exporter.files import write_json
 
-__all__ = ["Artifact", "PartitionSummary", "adopt", "lower"]
+__all__ = ["Artifact", "PartitionSummary", "adopt", "check_fallback", "lower", "lowered_in"]
 
-# Each backend module has FORMAT, ARTIFACT_FILE and lower(exported, backend, fallback, out_dir).
+# Each backend module has FORMAT, ARTIFACT_FILE, DELEGATE (None where nothing is delegated) and
+# lower(exported, backend, out_dir).
 # Imported on use: a job pays only for the toolchain of its own backend.
 _BACKENDS = ("eager", "executorch")
 
@@ -26,7 +29,31 @@ def _backend(name: str) -> ModuleType:
 
 
 def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
-    return _backend(job.backend.name).lower(exported, job.backend, job.fallback, out_dir)
+    """Writes the artifact file into `out_dir`, and partition.json where the backend partitions.
+
+    The fallback policy does not change what is lowered; `check_fallback` judges it after."""
+    artifact = _backend(job.backend.name).lower(exported, job.backend, out_dir)
+    if artifact.partition:
+        write_json(out_dir / PARTITION_FILE, artifact.partition.to_json())
+    return artifact
+
+
+def lowered_in(folder: Path, job: JobConfig) -> Artifact:
+    """The artifact that `lower` wrote into `folder` (or a copy of that folder's files)."""
+    backend = _backend(job.backend.name)
+    partition_path = folder / PARTITION_FILE
+    partition = (
+        PartitionSummary.from_json(json.loads(partition_path.read_text()))
+        if partition_path.exists()
+        else None
+    )
+    return Artifact(path=folder / backend.ARTIFACT_FILE, format=backend.FORMAT, partition=partition)
+
+
+def check_fallback(artifact: Artifact, job: JobConfig) -> None:
+    """Raises LoweringFailed where `fallback` forbids what the partitioner left outside."""
+    if artifact.partition:
+        enforce(artifact.partition, job.fallback, _backend(job.backend.name).DELEGATE)
 
 
 def adopt(path: Path, job: JobConfig) -> Artifact:

@@ -12,8 +12,8 @@ from executorch.exir import to_edge_transform_and_lower
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 
 from exporter.backends.artifact import Artifact
-from exporter.backends.partition import CPU, NodePlacement, PartitionSummary, enforce
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.backends.partition import CPU, NodePlacement, PartitionSummary
+from exporter.config import BackendConfig
 from exporter.export import Exported
 from exporter.files import atomic_path
 
@@ -21,16 +21,14 @@ log = logging.getLogger(__name__)
 
 FORMAT = "pte"
 ARTIFACT_FILE = "model.pte"
+DELEGATE = "XNNPACK"
 
 
-def lower(
-    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    log.info("[lower] ExecuTorch: XNNPACK partitioner, fallback=%s", fallback.policy.value)
+def lower(exported: Exported, backend: BackendConfig, out_dir: Path) -> Artifact:
+    log.info("[lower] ExecuTorch: XNNPACK partitioner")
     edge = to_edge_transform_and_lower(exported.program, partitioner=[XnnpackPartitioner()])
     partition = summarize(edge.exported_program().graph_module)
     log.info("[lower] %s", partition.describe())
-    enforce(partition, fallback, "XNNPACK")
     program = edge.to_executorch()
     path = out_dir / ARTIFACT_FILE
     with atomic_path(path) as temporary, temporary.open("wb") as file:

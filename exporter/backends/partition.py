@@ -9,6 +9,7 @@ from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
 
 CPU = "cpu"
+PARTITION_FILE = "partition.json"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class PartitionSummary:
             "ops_outside": self.ops_outside(),
             "nodes": [asdict(node) for node in self.nodes],
         }
+
+    @classmethod
+    def from_json(cls, payload: dict) -> PartitionSummary:
+        nodes = tuple(NodePlacement(**node) for node in payload["nodes"])
+        return cls(nodes=nodes, delegates=payload["delegates"])
 
 
 def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:

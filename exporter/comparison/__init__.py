@@ -1,0 +1,18 @@
+"""Jobs side by side: a table (text, CSV, HTML) and plots of error and latency per live size."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from exporter.comparison.plots import write_plots
+from exporter.comparison.summary import SUMMARY_FILE, JobSummary, collect
+from exporter.comparison.table import HTML_FILE, labels, text, write_csv, write_html
+
+__all__ = ["HTML_FILE", "SUMMARY_FILE", "JobSummary", "collect", "text", "write", "write_plots"]
+
+
+def write(summaries: Sequence[JobSummary], title: str, folder: Path) -> list[Path]:
+    """comparison.csv, comparison.html and the plots, in `folder`; returns their paths."""
+    plots = write_plots(summaries, labels(summaries), folder)
+    return [write_csv(summaries, folder), write_html(summaries, plots, title, folder), *plots]

@@ -1,0 +1,105 @@
+"""One job as a row of the comparison: what it chose, how it ended, its errors, speed and size.
+
+Each job writes its summary.json into its run dir when it ends, whatever process runs it; a
+sweep's comparison reads them back from the sweep dir.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from exporter.files import write_json
+from exporter.record import JobRecord
+from exporter.validate.plan import step
+
+SUMMARY_FILE = "summary.json"
+# What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
+HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
+
+
+@dataclass
+class JobSummary:
+    job: str
+    choices: dict[str, str]
+    # passed, failed, killed; "no result" for a job that never wrote its summary.
+    status: str
+    exit_code: int | None
+    failed_stage: str | None = None
+    error: str | None = None
+    worst_max_abs_err: float | None = None
+    worst_nrmse: float | None = None
+    latency_at_min_ms: float | None = None
+    latency_at_max_ms: float | None = None
+    artifact_bytes: int | None = None
+    delegated_fraction: float | None = None
+    # Wall seconds per stage that ran: export, lower, validate.
+    seconds: dict[str, float] = field(default_factory=dict)
+    # Per cached stage: whether its work came from the cache.
+    cache_hits: dict[str, bool] = field(default_factory=dict)
+    # Per size of the first dynamic dim (`dim`), smallest first: the worst error and latency.
+    dim: str | None = None
+    sizes: list[int] = field(default_factory=list)
+    max_abs_err: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, record: JobRecord, choices: dict[str, str]) -> JobSummary:
+        summary = cls(
+            job=record.run_dir.name,
+            choices=choices,
+            status=record.outcome,
+            exit_code=record.exit_code,
+            seconds=dict(record.seconds),
+            cache_hits=dict(record.cache_hits),
+        )
+        if record.error:
+            summary.failed_stage = record.error.stage
+            summary.error = str(record.error)
+        if record.artifact and record.artifact.path.exists():
+            summary.artifact_bytes = record.artifact.path.stat().st_size
+            if record.artifact.partition:
+                summary.delegated_fraction = record.artifact.partition.delegated_fraction
+        if record.report:
+            results = record.report.by_shape()
+            summary.worst_max_abs_err = record.report.worst("max_abs")
+            summary.worst_nrmse = record.report.worst("nrmse")
+            summary.latency_at_min_ms = results[0].latency_ms
+            summary.latency_at_max_ms = results[-1].latency_ms
+            summary.dim = next(iter(results[0].shape))
+            summary.sizes = [step(result.shape) for result in results]
+            summary.max_abs_err = [result.stats["max_abs"] for result in results]
+            summary.latency_ms = [result.latency_ms for result in results]
+        return summary
+
+    @classmethod
+    def missing(cls, job_dir: Path) -> JobSummary:
+        """A job whose process ended without a summary: killed, or crashed outside Python."""
+        overrides = (job_dir / HYDRA_OVERRIDES).read_text().splitlines()
+        choices = dict(line.removeprefix("- ").split("=", 1) for line in overrides if "=" in line)
+        return cls(job=job_dir.name, choices=choices, status="no result", exit_code=None)
+
+    def write(self, folder: Path) -> Path:
+        return write_json(folder / SUMMARY_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, folder: Path) -> JobSummary:
+        payload = json.loads((folder / SUMMARY_FILE).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+def collect(sweep_dir: Path) -> list[JobSummary]:
+    """Every job of a sweep, in job order, with or without a summary."""
+    job_dirs = [path.parent.parent for path in sweep_dir.glob(f"*/{HYDRA_OVERRIDES}")]
+    return [
+        JobSummary.read(job) if (job / SUMMARY_FILE).exists() else JobSummary.missing(job)
+        for job in sorted(job_dirs, key=_job_order)
+    ]
+
+
+def _job_order(job_dir: Path) -> tuple[int, str]:
+    # Hydra numbers a sweep's jobs; the default subdir starts with that number.
+    number, _, _ = job_dir.name.partition("-")
+    return (int(number) if number.isdigit() else -1, job_dir.name)

@@ -1,0 +1,134 @@
+"""The comparison table, one row per job: as text for the log, CSV, and a self-contained page."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from tabulate import tabulate
+
+from exporter.comparison.summary import JobSummary
+from exporter.files import write_bytes
+
+CSV_FILE = "comparison.csv"
+HTML_FILE = "comparison.html"
+
+COLUMNS = (
+    "status",
+    "failed_stage",
+    "worst_max_abs_err",
+    "worst_nrmse",
+    "latency_at_min_ms",
+    "latency_at_max_ms",
+    "artifact_bytes",
+    "delegated_fraction",
+    "export_s",
+    "lower_s",
+    "validate_s",
+    "cache_hit",
+    "error",
+)
+_STAGES = ("export", "lower", "validate")
+
+
+def labels(summaries: Sequence[JobSummary]) -> list[str]:
+    """Each job by the choices that differ between the jobs (model and backend if none do)."""
+    # In the order of the config's defaults list, as Hydra reports the choices.
+    groups = list(dict.fromkeys(group for s in summaries for group in s.choices))
+    columns: dict[tuple, str] = {}
+    for group in groups:
+        values = tuple(s.choices.get(group) for s in summaries)
+        # A group that follows another (dynamic follows model) would repeat its column.
+        if len(set(values)) > 1 and values not in columns:
+            columns[values] = group
+    varying = list(columns.values())
+    shown = varying or [g for g in ("model", "backend") if g in groups]
+    return [" ".join(f"{g}={s.choices.get(g, '-')}" for g in shown) for s in summaries]
+
+
+def rows(summaries: Sequence[JobSummary]) -> tuple[list[str], list[list[object]]]:
+    """The headers (job, the varying choices, then COLUMNS) and one row of values per job."""
+    job_labels = labels(summaries)
+    choice_columns = [part.split("=", 1)[0] for part in job_labels[0].split()] if summaries else []
+    table = []
+    for summary in summaries:
+        values = {
+            **{f"{stage}_s": summary.seconds.get(stage) for stage in _STAGES},
+            "cache_hit": ",".join(k for k, hit in summary.cache_hits.items() if hit) or None,
+            # The first line is the message; the rest is the detail the run dir keeps.
+            "error": (summary.error or "").split("\n", 1)[0] or None,
+        }
+        table.append(
+            [summary.job]
+            + [summary.choices.get(group) for group in choice_columns]
+            + [values[c] if c in values else getattr(summary, c) for c in COLUMNS]
+        )
+    return ["job", *choice_columns, *COLUMNS], table
+
+
+def text(summaries: Sequence[JobSummary]) -> str:
+    headers, table = rows(summaries)
+    shown = [h for h in headers if h != "error"]
+    return tabulate(
+        [[_format(v) for h, v in zip(headers, row, strict=True) if h != "error"] for row in table],
+        headers=shown,
+        disable_numparse=True,
+    )
+
+
+def write_csv(summaries: Sequence[JobSummary], folder: Path) -> Path:
+    headers, table = rows(summaries)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(headers)
+    writer.writerows([["" if value is None else value for value in row] for row in table])
+    return write_bytes(folder / CSV_FILE, buffer.getvalue().encode())
+
+
+def write_html(
+    summaries: Sequence[JobSummary], plots: Sequence[Path], title: str, folder: Path
+) -> Path:
+    """One file with everything inlined (styles, plots), so it opens anywhere it is copied."""
+    headers, table = rows(summaries)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        f'<tr class="{html.escape(summary.status.replace(" ", "-"))}">'
+        + "".join(f"<td>{html.escape(_format(value))}</td>" for value in row)
+        + "</tr>"
+        for summary, row in zip(summaries, table, strict=True)
+    )
+    images = "".join(
+        f'<img alt="{html.escape(plot.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(plot.read_bytes()).decode()}">'
+        for plot in plots
+    )
+    failed = sum(summary.status != "passed" for summary in summaries)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; }}
+table {{ border-collapse: collapse; font-size: 13px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; max-width: 36em; }}
+tr.passed td {{ background: #eef8ee; }}
+tr.failed td, tr.killed td, tr.no-result td {{ background: #fbe9e9; }}
+img {{ max-width: 48%; margin: 1em 1% 0 0; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>{len(summaries)} jobs, {len(summaries) - failed} passed, {failed} did not.</p>
+<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
+{images}
+</body></html>
+"""
+    return write_bytes(folder / HTML_FILE, page.encode())
+
+
+def _format(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

@@ -1,0 +1,138 @@
+"""A sweep (`python -m exporter -m ...`): its parent MLflow run and the comparison of its jobs.
+
+Hydra calls SweepCallback in the process that launches the sweep. It opens the parent run
+before any job starts and writes its id to sweep.json in the sweep dir, where every job finds
+it, in whatever process or machine the launcher runs it. When the jobs have ended it reads
+their summaries back from the sweep dir, writes the comparison beside them, logs it on the
+parent run and closes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from exporter import comparison, tracking
+from exporter.config import mlflow_of
+from exporter.errors import ExporterError
+from exporter.files import write_json
+from exporter.record import OUTCOMES
+
+log = logging.getLogger(__name__)
+
+SWEEP_FILE = "sweep.json"
+# A job that left no summary ended without a word: the sweep still exits non-zero.
+_NO_RESULT_EXIT_CODE = 1
+
+
+@dataclass
+class _Sweep:
+    dir: Path
+    overrides: str
+    store: tracking.Store | None
+    parent_run_id: str | None
+
+
+# The sweep this process launched and not yet finished, and the exit codes of those it has:
+# Hydra gives the command's entrypoint no result of a multirun.
+_active: list[_Sweep] = []
+_exit_codes: list[int] = []
+
+
+def exit_codes() -> list[int]:
+    return list(_exit_codes)
+
+
+def launched() -> bool:
+    return bool(_active or _exit_codes)
+
+
+def parent_run_id(sweep_dir: Path, tracking_uri: str) -> str | None:
+    """The sweep's parent run, for a job of it that tracks to the same store."""
+    path = sweep_dir / SWEEP_FILE
+    if not path.exists():
+        return None
+    sweep = json.loads(path.read_text())
+    return sweep["parent_run_id"] if sweep["tracking_uri"] == tracking_uri else None
+
+
+def finish_interrupted() -> None:
+    """Ctrl-C stopped the sweep: compare the jobs that ended and close the parent as KILLED."""
+    if _active:
+        _finish(_active.pop(), interrupted=True)
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        overrides = " ".join(config.hydra.overrides.task)
+        store = parent = None
+        try:
+            mlflow = mlflow_of(config)
+            if mlflow.enabled:
+                # Creating the store and experiment here, once, keeps parallel jobs from racing
+                # to create them.
+                store = tracking.open_store(mlflow)
+                tags = {"sweep.overrides": overrides, "sweep.dir": str(sweep_dir)}
+                name = f"sweep-{datetime.now():%Y-%m-%d-%H-%M-%S}"
+                parent = tracking.start_sweep_run(store, name, tags)
+        except ExporterError as error:
+            log.error("[%s] %s", error.stage, error)
+            raise SystemExit(error.exit_code) from error
+        write_json(
+            sweep_dir / SWEEP_FILE,
+            {"parent_run_id": parent, "tracking_uri": mlflow.tracking_uri, "overrides": overrides},
+        )
+        _active.append(_Sweep(sweep_dir, overrides, store, parent))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _finish(_active.pop(), interrupted=False)
+
+
+def _finish(sweep: _Sweep, interrupted: bool) -> None:
+    summaries = comparison.collect(sweep.dir)
+    title = f"Sweep {sweep.dir.parent.name}/{sweep.dir.name}: {sweep.overrides}"
+    files = comparison.write(summaries, title, sweep.dir)
+    failed = [s for s in summaries if s.status != "passed"]
+    codes = [_NO_RESULT_EXIT_CODE if s.exit_code is None else s.exit_code for s in summaries]
+    exit_code = 130 if interrupted else max(codes, default=0)
+    _exit_codes.append(exit_code)
+    log.info(
+        "[sweep] %d jobs, %d passed, %d did not; comparison in %s:\n%s",
+        len(summaries),
+        len(summaries) - len(failed),
+        len(failed),
+        sweep.dir / comparison.HTML_FILE,
+        comparison.text(summaries),
+    )
+    if sweep.store is None or sweep.parent_run_id is None:
+        return
+    status = "KILLED" if interrupted else ("FAILED" if failed else "FINISHED")
+    note = "\n".join(
+        f"- {s.job}: {s.status}" + (f" at {s.failed_stage}" if s.failed_stage else "")
+        for s in summaries
+    )
+    tags = {
+        "status": OUTCOMES[status],
+        "exit_code": str(exit_code),
+        "mlflow.note.content": f"{len(summaries)} jobs, {len(failed)} did not pass:\n\n{note}",
+    }
+    metrics = {
+        "jobs": len(summaries),
+        "jobs_passed": len(summaries) - len(failed),
+        "jobs_failed": len(failed),
+    }
+    files.append(sweep.dir / SWEEP_FILE)
+    try:
+        tracking.end_sweep_run(sweep.store, sweep.parent_run_id, status, metrics, tags, files)
+    except ExporterError as error:
+        log.error("[%s] %s", error.stage, error)
+        _exit_codes.append(error.exit_code)

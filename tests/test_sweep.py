@@ -1,0 +1,132 @@
+"""Sweeps as a user runs them (`python -m exporter -m ...`): every job runs, each gets a run
+nested under the sweep's parent, and the comparison reports all of them, failed ones marked."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import SweepResult, run_sweep
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def comparison_rows(sweep: SweepResult) -> list[dict[str, str]]:
+    with (sweep.sweep_dir / "comparison.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
+    """2x2 on mlp: the two jobs with min 65 > max 64 are impossible and fail at config."""
+    workdir = tmp_path_factory.mktemp("sweep")
+    return run_sweep(
+        workdir,
+        workdir / "sweep",
+        "model=mlp",
+        "backend=eager,executorch",
+        "dynamic.batch.min=1,65",
+    )
+
+
+def test_a_sweep_runs_every_job_and_exits_with_the_failed_jobs_code(
+    failing_sweep: SweepResult,
+) -> None:
+    assert failing_sweep.exit_code == 2, failing_sweep.output
+    assert "Traceback" not in failing_sweep.output
+    job_dirs = sorted(p.name for p in failing_sweep.sweep_dir.iterdir() if p.is_dir())
+    assert job_dirs == ["0-mlp-eager", "1-mlp-eager", "2-mlp-executorch", "3-mlp-executorch"]
+    assert (failing_sweep.sweep_dir / "2-mlp-executorch" / "model.pte").stat().st_size > 0
+
+
+def test_each_job_gets_a_run_nested_under_the_sweeps_parent(failing_sweep: SweepResult) -> None:
+    parent, children = failing_sweep.parent_and_children()
+    assert len(failing_sweep.runs()) == 5
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["sweep.overrides"].endswith(
+        " model=mlp backend=eager,executorch dynamic.batch.min=1,65"
+    )
+    assert parent.data.metrics == {"jobs": 4, "jobs_passed": 2, "jobs_failed": 2}
+    by_name = {run.info.run_name: run for run in children}
+    assert sorted(by_name) == ["0-mlp-eager", "1-mlp-eager", "2-mlp-executorch", "3-mlp-executorch"]
+    for name in ("1-mlp-eager", "3-mlp-executorch"):
+        failed = by_name[name]
+        assert failed.info.status == "FAILED"
+        assert failed.data.tags["failed_stage"] == "config"
+        assert "min (65) is greater than max (64)" in failed.data.tags["error"]
+    for name in ("0-mlp-eager", "2-mlp-executorch"):
+        assert by_name[name].info.status == "FINISHED"
+        assert by_name[name].data.metrics["worst_max_abs_err"] < 1e-6
+    # Job 2 needs the same exported program and goldens as job 0: it reuses them.
+    assert by_name["0-mlp-eager"].data.tags["cache_hit"] == "false"
+    assert by_name["2-mlp-executorch"].data.tags["cache_hit.export"] == "true"
+    assert by_name["2-mlp-executorch"].data.tags["cache_hit.goldens"] == "true"
+    assert by_name["2-mlp-executorch"].data.tags["cache_hit.lower"] == "false"
+
+
+def test_the_comparison_table_marks_the_failed_rows(failing_sweep: SweepResult) -> None:
+    rows = comparison_rows(failing_sweep)
+    assert [(r["backend"], r["status"], r["failed_stage"]) for r in rows] == [
+        ("eager", "passed", ""),
+        ("eager", "failed", "config"),
+        ("executorch", "passed", ""),
+        ("executorch", "failed", "config"),
+    ]
+    passed = rows[2]
+    assert 0 < float(passed["worst_max_abs_err"]) < 1e-6
+    assert float(passed["latency_at_min_ms"]) > 0 and float(passed["latency_at_max_ms"]) > 0
+    assert float(passed["delegated_fraction"]) == 1.0
+    assert (
+        int(passed["artifact_bytes"])
+        == (failing_sweep.sweep_dir / "2-mlp-executorch" / "model.pte").stat().st_size
+    )
+    assert "greater than max" in rows[1]["error"]
+
+    page = (failing_sweep.sweep_dir / "comparison.html").read_text()
+    assert page.count('<tr class="failed">') == 2
+    assert page.count('<tr class="passed">') == 2
+    assert page.count("data:image/png;base64,") == 2
+
+
+def test_the_plots_and_report_are_on_the_parent_run(failing_sweep: SweepResult) -> None:
+    for plot in ("max_abs_err_vs_size.png", "latency_vs_size.png"):
+        assert (failing_sweep.sweep_dir / plot).read_bytes().startswith(PNG_MAGIC)
+    parent, _ = failing_sweep.parent_and_children()
+    client = MlflowClient(failing_sweep.tracking_uri)
+    logged = {artifact.path for artifact in client.list_artifacts(parent.info.run_id)}
+    assert logged >= {
+        "comparison.csv",
+        "comparison.html",
+        "max_abs_err_vs_size.png",
+        "latency_vs_size.png",
+    }
+
+
+@pytest.mark.parametrize(
+    ("launcher", "jobs"),
+    [
+        (["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "fallback=auto,strict"], 4),
+        # submitit starts every job at once: two are enough to share the store.
+        (["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"], 2),
+    ],
+    ids=["joblib", "submitit_local"],
+)
+def test_parallel_launchers_lose_no_run_and_a_second_pass_hits_the_cache(
+    tmp_path: Path, launcher: list[str], jobs: int
+) -> None:
+    overrides = ["model=mlp", "backend=eager,executorch", *launcher]
+    sweeps = [run_sweep(tmp_path, tmp_path / f"pass{n}", *overrides) for n in (1, 2)]
+    for sweep in sweeps:
+        assert sweep.exit_code == 0, sweep.output
+        assert "database is locked" not in sweep.output
+        parent, children = sweep.parent_and_children()
+        assert parent.info.status == "FINISHED"
+        assert [run.info.status for run in children] == ["FINISHED"] * jobs
+    assert len(sweeps[1].runs()) == 2 * (jobs + 1)
+    _, second = sweeps[1].parent_and_children()
+    assert [run.data.tags["cache_hit"] for run in second] == ["true"] * jobs
+    executorch = [run for run in second if run.data.tags["backend"] == "executorch"]
+    assert [run.data.tags["cache_hit.lower"] for run in executorch] == ["true"] * (jobs // 2)
