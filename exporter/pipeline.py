@@ -78,8 +78,7 @@ def run(
         record.interrupted = True
         log.error("interrupted; the run dir keeps what was written: %s", run_dir)
     record.ended_ms = now_ms()
-    # Hydra's choice per top-level group; nested groups are schemas and Hydra's own.
-    groups = {group: str(choice) for group, choice in choices.items() if "/" not in group}
+    groups = comparison.group_choices(choices)
     summary = comparison.JobSummary.of(record, groups)
     summary.write(run_dir)
     comparison.write_plots([summary], [run_name], run_dir)
@@ -214,7 +213,9 @@ def _export_material(job: config.JobConfig) -> dict[str, Any]:
 
 @contextmanager
 def _stage(record: JobRecord, name: str, error_type: type[ExporterError]) -> Iterator[None]:
-    """Times the stage; an unexpected exception in it becomes the stage's ExporterError."""
+    """Times and announces the stage; an unexpected exception in it becomes the stage's
+    ExporterError."""
+    log.info("[%s] started", name)
     start = time.perf_counter()
     try:
         yield
@@ -224,6 +225,7 @@ def _stage(record: JobRecord, name: str, error_type: type[ExporterError]) -> Ite
         raise error_type(f"{type(error).__name__}: {error}") from error
     finally:
         record.seconds[name] = time.perf_counter() - start
+    log.info("[%s] done in %.1f s", name, record.seconds[name])
 
 
 def _keep_traceback(error: ExporterError, run_dir: Path) -> None:

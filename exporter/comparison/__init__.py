@@ -6,10 +6,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exporter.comparison.plots import write_plots
-from exporter.comparison.summary import SUMMARY_FILE, JobSummary, collect
+from exporter.comparison.summary import SUMMARY_FILE, JobSummary, collect, group_choices
 from exporter.comparison.table import HTML_FILE, labels, text, write_csv, write_html
 
-__all__ = ["HTML_FILE", "SUMMARY_FILE", "JobSummary", "collect", "text", "write", "write_plots"]
+__all__ = [
+    "HTML_FILE",
+    "SUMMARY_FILE",
+    "JobSummary",
+    "collect",
+    "group_choices",
+    "text",
+    "write",
+    "write_plots",
+]
 
 
 def write(summaries: Sequence[JobSummary], title: str, folder: Path) -> list[Path]:

@@ -7,8 +7,11 @@ sweep's comparison reads them back from the sweep dir.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
@@ -16,7 +19,12 @@ from exporter.validate.plan import step
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
-HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
+HYDRA_CONFIG = Path(".hydra") / "hydra.yaml"
+
+
+def group_choices(choices: Mapping[str, object]) -> dict[str, str]:
+    """Hydra's choice per top-level group; nested groups are schemas and Hydra's own."""
+    return {group: str(choice) for group, choice in choices.items() if "/" not in group}
 
 
 @dataclass
@@ -76,8 +84,8 @@ class JobSummary:
     @classmethod
     def missing(cls, job_dir: Path) -> JobSummary:
         """A job whose process ended without a summary: killed, or crashed outside Python."""
-        overrides = (job_dir / HYDRA_OVERRIDES).read_text().splitlines()
-        choices = dict(line.removeprefix("- ").split("=", 1) for line in overrides if "=" in line)
+        hydra = OmegaConf.load(job_dir / HYDRA_CONFIG).hydra
+        choices = group_choices(OmegaConf.to_container(hydra.runtime.choices))
         return cls(job=job_dir.name, choices=choices, status="no result", exit_code=None)
 
     def write(self, folder: Path) -> Path:
@@ -92,7 +100,7 @@ class JobSummary:
 
 def collect(sweep_dir: Path) -> list[JobSummary]:
     """Every job of a sweep, in job order, with or without a summary."""
-    job_dirs = [path.parent.parent for path in sweep_dir.glob(f"*/{HYDRA_OVERRIDES}")]
+    job_dirs = [path.parent.parent for path in sweep_dir.glob(f"*/{HYDRA_CONFIG}")]
     return [
         JobSummary.read(job) if (job / SUMMARY_FILE).exists() else JobSummary.missing(job)
         for job in sorted(job_dirs, key=_job_order)

@@ -37,8 +37,8 @@ _STAGES = ("export", "lower", "validate")
 
 def labels(summaries: Sequence[JobSummary]) -> list[str]:
     """Each job by the choices that differ between the jobs (model and backend if none do)."""
-    # In the order of the config's defaults list, as Hydra reports the choices.
     groups = list(dict.fromkeys(group for s in summaries for group in s.choices))
+    groups.sort(key=lambda group: group not in ("model", "backend"))
     columns: dict[tuple, str] = {}
     for group in groups:
         values = tuple(s.choices.get(group) for s in summaries)

@@ -1,0 +1,87 @@
+"""The comparison of a sweep's jobs, read back from their folders as the sweep leaves them."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from exporter import comparison
+from exporter.comparison import JobSummary
+from exporter.comparison.table import labels
+
+
+def job_dir(sweep_dir: Path, name: str, backend: str) -> Path:
+    """A job folder as Hydra makes it before the job runs."""
+    folder = sweep_dir / name
+    (folder / ".hydra").mkdir(parents=True)
+    choices = {"model": "mlp", "dynamic": "mlp", "backend": backend, "hydra/launcher": "basic"}
+    OmegaConf.save({"hydra": {"runtime": {"choices": choices}}}, folder / ".hydra" / "hydra.yaml")
+    return folder
+
+
+def passed(name: str, backend: str) -> JobSummary:
+    return JobSummary(
+        job=name,
+        choices={"model": "mlp", "dynamic": "mlp", "backend": backend},
+        status="passed",
+        exit_code=0,
+        worst_max_abs_err=8.5e-8,
+        dim="batch",
+        sizes=[1, 2, 64],
+        max_abs_err=[3e-8, 4e-8, 8.5e-8],
+        latency_ms=[0.05, 0.05, 0.07],
+    )
+
+
+def test_a_job_that_left_no_summary_is_a_row_with_no_result(tmp_path: Path) -> None:
+    passed("0-mlp-eager", "eager").write(job_dir(tmp_path, "0-mlp-eager", "eager"))
+    job_dir(tmp_path, "1-mlp-executorch", "executorch")
+    summaries = comparison.collect(tmp_path)
+    assert [(s.job, s.status, s.exit_code) for s in summaries] == [
+        ("0-mlp-eager", "passed", 0),
+        ("1-mlp-executorch", "no result", None),
+    ]
+    assert summaries[1].choices == {"model": "mlp", "dynamic": "mlp", "backend": "executorch"}
+
+
+def test_jobs_are_labelled_by_the_choices_that_differ(tmp_path: Path) -> None:
+    summaries = [passed("0-mlp-eager", "eager"), passed("1-mlp-executorch", "executorch")]
+    assert labels(summaries) == ["backend=eager", "backend=executorch"]
+    # One job alone, or jobs that differ in nothing chosen, show model and backend.
+    assert labels(summaries[:1]) == ["model=mlp backend=eager"]
+
+
+def test_jobs_are_listed_by_their_number_not_their_name(tmp_path: Path) -> None:
+    names = ["10-mlp-eager", "2-mlp-eager", "1-mlp-eager"]
+    for name in names:
+        passed(name, "eager").write(job_dir(tmp_path, name, "eager"))
+    assert [s.job for s in comparison.collect(tmp_path)] == names[::-1]
+
+
+def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path) -> None:
+    failed = JobSummary(
+        job="1-mlp-executorch",
+        choices={"model": "mlp", "backend": "executorch"},
+        status="failed",
+        exit_code=4,
+        failed_stage="lower",
+        error="fallback=strict: 2 compute nodes would run outside\n  aten.nonzero x2",
+    )
+    summaries = [passed("0-mlp-eager", "eager"), failed]
+    files = comparison.write(summaries, "Sweep test", tmp_path)
+    assert [path.name for path in files] == [
+        "comparison.csv",
+        "comparison.html",
+        "max_abs_err_vs_size.png",
+        "latency_vs_size.png",
+    ]
+    with (tmp_path / "comparison.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["job"], r["backend"], r["status"], r["failed_stage"]) for r in rows] == [
+        ("0-mlp-eager", "eager", "passed", ""),
+        ("1-mlp-executorch", "executorch", "failed", "lower"),
+    ]
+    assert rows[1]["error"] == "fallback=strict: 2 compute nodes would run outside"
+    assert float(rows[0]["worst_max_abs_err"]) == 8.5e-8
