@@ -1,0 +1,141 @@
+"""Drive a real MLflow tracking server and its web UI, for end-to-end tests of what a user sees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from playwright.sync_api import Page, sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's build: playwright must never download its own.
+# Nothing beyond 127.0.0.1 is reachable, so anything that phones home would only stall or fail.
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+# The runs table is an ag-grid. A run's name cell holds its link and, for a parent, the expander
+# button, which has no label or test id: the cell is the stable anchor.
+RUN_NAME_CELL = '[col-id="attributes.`Run Name`"]'
+RUN_LINK = f'.ag-row {RUN_NAME_CELL} a[href*="/runs/"]'
+
+
+@contextmanager
+def serve_mlflow(tracking_uri: str, workdir: Path, timeout_s: float = 90) -> Iterator[str]:
+    """Run `mlflow server` over `tracking_uri` until the block exits; yields its base URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = workdir / "mlflow-server.log"
+    command = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", tracking_uri,
+        "--default-artifact-root", str(workdir / "mlartifacts"),
+        # 127.0.0.1 is in the default --allowed-hosts, so the security middleware needs no flag.
+        "--host", "127.0.0.1", "--port", str(port),
+        # One worker starts faster, and a test sends only a handful of requests.
+        "--workers", "1",
+    ]  # fmt: skip
+    # The job runner serves scorers and trace jobs, which no UI test uses; on, it spawns more
+    # processes and leaves a temp dir in /dev/shm behind each server.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log_path.open("wb") as log:
+        # A session of its own: `mlflow server` runs uvicorn as a child, which killing the CLI
+        # alone would orphan, so signals go to the whole group.
+        server = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_healthy(base_url, server, log_path, timeout_s)
+            yield base_url
+        finally:
+            with suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _wait_healthy(
+    base_url: str, server: subprocess.Popen, log_path: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        with (
+            suppress(urllib.error.URLError, ConnectionError),  # Not listening yet.
+            urllib.request.urlopen(f"{base_url}/health", timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.25)
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+    state = "timed out" if server.poll() is None else f"exited with {server.returncode}"
+    raise RuntimeError(f"mlflow server at {base_url} never became healthy ({state}):\n{tail}")
+
+
+def open_experiment(
+    base_url: str,
+    experiment_id: str,
+    screenshot: Path,
+    expect_names: list[str],
+    timeout_s: float = 60,
+) -> list[str]:
+    """Show the experiment's runs in Chromium until every name in `expect_names` is visible.
+
+    Saves a full-page screenshot and returns the names of the runs visible in the table.
+    """
+    with sync_playwright() as pw, tempfile.TemporaryDirectory() as user_data_dir:
+        # A fresh profile each time: the UI remembers in local storage which parents are open.
+        context = pw.chromium.launch_persistent_context(
+            user_data_dir,
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1600, "height": 1000},
+        )
+        try:
+            page = context.new_page()
+            page.goto(f"{base_url}/#/experiments/{experiment_id}/runs")
+            visible = _expand_until_visible(page, expect_names, timeout_s)
+            page.screenshot(path=screenshot, full_page=True)
+            return visible
+        finally:
+            context.close()
+
+
+def _expand_until_visible(page: Page, expect_names: list[str], timeout_s: float) -> list[str]:
+    # Child runs start collapsed under their parent, and a child may be a parent itself, so this
+    # expands level by level, each expander once: a second click would collapse it again.
+    deadline = time.monotonic() + timeout_s
+    page.locator(RUN_LINK).first.wait_for(timeout=timeout_s * 1000)
+    expanded: set[str] = set()
+    while True:
+        visible = [link.inner_text() for link in page.locator(RUN_LINK).all() if link.is_visible()]
+        if set(expect_names) <= set(visible):
+            return visible
+        if time.monotonic() > deadline:
+            missing = sorted(set(expect_names) - set(visible))
+            raise TimeoutError(f"runs {missing} not shown after {timeout_s}s; visible: {visible}")
+        # By row id, not position: expanding a parent inserts rows and shifts those below it.
+        row_ids = page.locator(".ag-row[row-id]").evaluate_all(
+            "rows => rows.map(row => row.getAttribute('row-id'))"
+        )
+        for row_id in set(row_ids) - expanded:
+            expander = page.locator(f'.ag-row[row-id="{row_id}"] {RUN_NAME_CELL} button')
+            if expander.count():
+                expander.click()
+                expanded.add(row_id)
+        time.sleep(0.25)
