@@ -67,30 +67,25 @@ def log_job(
     tags = _tags(record, choices)
     if parent_run_id:
         tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
-    with _serialized(store.uri):
-        run_id = _create_run(store, record.started_ms, run_name)
-        try:
+    run_id = _create_run(store, record.started_ms, run_name)
+    with _written(store, run_id):
+        with _serialized(store.uri):
             _log_batched(store.client, run_id, params, _metrics(record), tags)
-            store.client.log_artifacts(run_id, str(record.run_dir))
-            if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
-                store.client.log_artifact(run_id, str(record.artifact.path))
-        except Exception as error:
-            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
-            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
-        store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
+        # Files go to the artifact store, not the database: other jobs need not wait for them.
+        store.client.log_artifacts(run_id, str(record.run_dir))
+        if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
+            store.client.log_artifact(run_id, str(record.artifact.path))
+        with _serialized(store.uri):
+            store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
     log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)
     return run_id
 
 
 def start_sweep_run(store: Store, run_name: str, tags: Mapping[str, str]) -> str:
     """The parent run of a sweep, open while its jobs run; returns its id."""
-    with _serialized(store.uri):
-        run_id = _create_run(store, now_ms(), run_name)
-        try:
-            _log_batched(store.client, run_id, {}, [], tags)
-        except Exception as error:
-            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
-            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+    run_id = _create_run(store, now_ms(), run_name)
+    with _written(store, run_id), _serialized(store.uri):
+        _log_batched(store.client, run_id, {}, [], tags)
     log.info("[track] sweep's parent MLflow run %s in %s", run_id, store.uri)
     return run_id
 
@@ -105,25 +100,35 @@ def end_sweep_run(
 ) -> None:
     """Logs the sweep's comparison on its parent run and closes it with `status`."""
     at = now_ms()
-    with _serialized(store.uri):
-        try:
-            _log_batched(
-                store.client, run_id, {}, [Metric(k, v, at, 0) for k, v in metrics.items()], tags
-            )
-            for path in files:
-                store.client.log_artifact(run_id, str(path))
-        except Exception as error:
-            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
-            raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
-        store.client.set_terminated(run_id, status, end_time=now_ms())
+    with _written(store, run_id):
+        for path in files:
+            store.client.log_artifact(run_id, str(path))
+        with _serialized(store.uri):
+            metric_list = [Metric(key, value, at, 0) for key, value in metrics.items()]
+            _log_batched(store.client, run_id, {}, metric_list, tags)
+            store.client.set_terminated(run_id, status, end_time=now_ms())
 
 
 def _create_run(store: Store, start_ms: int, run_name: str) -> str:
     try:
-        run = store.client.create_run(store.experiment_id, start_time=start_ms, run_name=run_name)
+        with _serialized(store.uri):
+            run = store.client.create_run(
+                store.experiment_id, start_time=start_ms, run_name=run_name
+            )
     except Exception as error:
         raise TrackingFailed(f"cannot create an MLflow run in {store.uri}: {error}") from error
     return run.info.run_id
+
+
+@contextmanager
+def _written(store: Store, run_id: str) -> Iterator[None]:
+    """Writes to a created run: if one fails, the run is closed as FAILED, not left RUNNING."""
+    try:
+        yield
+    except Exception as error:
+        with _serialized(store.uri):
+            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
+        raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
 
 
 @contextmanager
