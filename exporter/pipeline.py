@@ -85,7 +85,8 @@ def run(
 
     if store is not None:
         try:
-            tracking.log_job(store, record, config.flatten(cfg), groups, run_name, parent_run_id)
+            params = config.flatten(cfg)
+            tracking.log_job(store, record, summary, params, run_name, parent_run_id)
         except ExporterError as error:
             log.error("[%s] %s", error.stage, error)
             return record.exit_code or error.exit_code
@@ -97,19 +98,20 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     cache = Cache(Path(job.cache_dir)) if job.cache else None
     with _stage(record, "model", ConfigError):
         bundle = models.build(job.model, job.dynamic)
+        # The cache key of the exported program; the goldens' and artifact's keys extend it.
+        material = _export_material(job)
     if job.artifact:
         artifact = backends.adopt(Path(job.artifact), job)
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
         with _stage(record, "export", ExportFailed):
-            material = _export_material(job)
             with _built(
                 cache, record, "export", material, lambda out: export.run(bundle, out)
             ) as folder:
                 link_files(folder, run_dir)
             exported = export.load(run_dir / export.PROGRAM_FILE)
         with _stage(record, "lower", LoweringFailed):
-            artifact = _lower(cache, record, job, exported)
+            artifact = _lower(cache, record, job, exported, material)
     record.artifact = artifact
 
     def load() -> Loaded:
@@ -121,19 +123,16 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
             ) from error
 
     with _stage(record, "validate", RuntimeFailed):
-        shapes = plan(
-            bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, job.validate.seed
-        )
         seed = job.validate.seed
+        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
         # Goldens are kept in the cache only, never in the run dir: they are not a result, and
         # can be larger than the artifact.
         if cache is None:
             expected = goldens.compute(bundle, shapes, seed)
         else:
-            material = {**_export_material(job), "shapes": shapes, "seed": seed}
             folder, record.cache_hits["goldens"] = cache.fetch(
                 "goldens",
-                material,
+                {**material, "shapes": shapes, "seed": seed},
                 lambda out: goldens.save(goldens.compute(bundle, shapes, seed), out),
             )
             expected = goldens.load(folder)
@@ -177,10 +176,14 @@ def _built(
 
 
 def _lower(
-    cache: Cache | None, record: JobRecord, job: config.JobConfig, exported: Exported
+    cache: Cache | None,
+    record: JobRecord,
+    job: config.JobConfig,
+    exported: Exported,
+    export_material: dict[str, Any],
 ) -> Artifact:
     material = {
-        **_export_material(job),
+        **export_material,
         "backend": dataclasses.asdict(job.backend),
         "executorch": importlib.metadata.version("executorch"),
     }

@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from exporter.comparison import JobSummary
 from exporter.config import MlflowConfig
 from exporter.errors import TrackingFailed
 from exporter.record import JobRecord, now_ms
@@ -58,19 +59,20 @@ def open_store(cfg: MlflowConfig) -> Store:
 def log_job(
     store: Store,
     record: JobRecord,
+    summary: JobSummary,
     params: Mapping[str, str],
-    choices: Mapping[str, str],
     run_name: str,
     parent_run_id: str | None = None,
 ) -> str:
-    """Records the ended job as an MLflow run, nested under `parent_run_id` if given."""
-    tags = _tags(record, choices)
+    """Records the ended job as an MLflow run, nested under `parent_run_id` if given: its
+    summary's figures and tags, so the run and the comparison table say the same."""
+    tags = _tags(summary)
     if parent_run_id:
         tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
     run_id = _create_run(store, record.started_ms, run_name)
     with _written(store, run_id):
         with _serialized(store.uri):
-            _log_batched(store.client, run_id, params, _metrics(record), tags)
+            _log_batched(store.client, run_id, params, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
         store.client.log_artifacts(run_id, str(record.run_dir))
         if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
@@ -169,22 +171,20 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
         return experiment.experiment_id
 
 
-def _metrics(record: JobRecord) -> list[Metric]:
+def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
+    """The summary's figures, as the comparison table shows them, and the report's per shape."""
     at = record.ended_ms or now_ms()
-    metrics = [Metric(f"{stage}_s", seconds, at, 0) for stage, seconds in record.seconds.items()]
-    if record.artifact:
-        metrics.append(Metric("artifact_bytes", record.artifact.path.stat().st_size, at, 0))
-        if record.artifact.partition:
-            metrics.append(
-                Metric("delegated_fraction", record.artifact.partition.delegated_fraction, at, 0)
-            )
+    metrics = [Metric(f"{stage}_s", seconds, at, 0) for stage, seconds in summary.seconds.items()]
+    figures = {
+        "artifact_bytes": summary.artifact_bytes,
+        "delegated_fraction": summary.delegated_fraction,
+        "worst_max_abs_err": summary.worst_max_abs_err,
+        "worst_nrmse": summary.worst_nrmse,
+    }
+    metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
         report = record.report
-        metrics += [
-            Metric("worst_max_abs_err", report.worst("max_abs"), at, 0),
-            Metric("worst_nrmse", report.worst("nrmse"), at, 0),
-            Metric("needed_atol", report.worst("needed_atol"), at, 0),
-        ]
+        metrics.append(Metric("needed_atol", report.worst("needed_atol"), at, 0))
         for result in report.by_shape():
             size = step(result.shape)
             metrics += [
@@ -196,19 +196,15 @@ def _metrics(record: JobRecord) -> list[Metric]:
     return metrics
 
 
-def _tags(record: JobRecord, choices: Mapping[str, str]) -> dict[str, str]:
-    tags = {
-        "status": record.outcome,
-        "exit_code": str(record.exit_code),
-        **choices,
-    }
-    if record.cache_hits:
-        tags["cache_hit"] = str(any(record.cache_hits.values())).lower()
-        tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in record.cache_hits.items()})
-    if record.error:
-        tags["failed_stage"] = record.error.stage
-        tags["error"] = str(record.error)[:5000]
-        tags["mlflow.note.content"] = f"Failed at {record.error.stage}:\n\n{record.error}"
+def _tags(summary: JobSummary) -> dict[str, str]:
+    tags = {"status": summary.status, "exit_code": str(summary.exit_code), **summary.choices}
+    if summary.cache_hits:
+        tags["cache_hit"] = str(any(summary.cache_hits.values())).lower()
+        tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in summary.cache_hits.items()})
+    if summary.error:
+        tags["failed_stage"] = str(summary.failed_stage)
+        tags["error"] = summary.error[:5000]
+        tags["mlflow.note.content"] = f"Failed at {summary.failed_stage}:\n\n{summary.error}"
     return tags
 
 
