@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,14 +146,19 @@ def test_strict_fallback_fails_lowering_and_lists_the_ops_left_outside(
     assert run.data.tags["failed_stage"] == "lower"
 
 
-def test_eager_backend_validates_the_exported_program_without_mlflow(
+def test_eager_backend_validates_the_exported_program_without_mlflow_or_cache(
     exporter_cli: Callable[..., CliResult],
 ) -> None:
-    result = exporter_cli("model=mlp", "backend=eager", "mlflow=off")
+    result = exporter_cli("model=mlp", "backend=eager", "mlflow=off", "cache=off")
     assert result.exit_code == 0, result.output
     assert result.report()["passed"]
     assert not (result.run_dir / "model.pte").exists()
     assert not (result.run_dir.parent / "mlflow.db").exists()
+    # cache=off builds in the run dir itself: no cache, and no staging folder left behind.
+    assert not (result.run_dir.parent / "cache").exists()
+    assert (result.run_dir / "program.pt2").stat().st_size > 0
+    assert not list(result.run_dir.glob(".partial-*"))
+    assert json.loads((result.run_dir / "summary.json").read_text())["cache_hits"] == {}
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,9 @@ COLUMNS = (
 _STAGES = ("export", "lower", "validate")
 
 
-def labels(summaries: Sequence[JobSummary]) -> list[str]:
-    """Each job by the choices that differ between the jobs (model and backend if none do)."""
+def distinguishing_groups(summaries: Sequence[JobSummary]) -> list[str]:
+    """The config groups whose choices differ between the jobs (model and backend if none do),
+    model and backend first."""
     groups = list(dict.fromkeys(group for s in summaries for group in s.choices))
     groups.sort(key=lambda group: group not in ("model", "backend"))
     columns: dict[tuple, str] = {}
@@ -45,15 +46,18 @@ def labels(summaries: Sequence[JobSummary]) -> list[str]:
         # A group that follows another (dynamic follows model) would repeat its column.
         if len(set(values)) > 1 and values not in columns:
             columns[values] = group
-    varying = list(columns.values())
-    shown = varying or [g for g in ("model", "backend") if g in groups]
-    return [" ".join(f"{g}={s.choices.get(g, '-')}" for g in shown) for s in summaries]
+    return list(columns.values()) or [g for g in ("model", "backend") if g in groups]
+
+
+def labels(summaries: Sequence[JobSummary]) -> list[str]:
+    """Each job by its distinguishing choices: `backend=eager fallback=strict`."""
+    groups = distinguishing_groups(summaries)
+    return [" ".join(f"{g}={s.choices.get(g, '-')}" for g in groups) for s in summaries]
 
 
 def rows(summaries: Sequence[JobSummary]) -> tuple[list[str], list[list[object]]]:
-    """The headers (job, the varying choices, then COLUMNS) and one row of values per job."""
-    job_labels = labels(summaries)
-    choice_columns = [part.split("=", 1)[0] for part in job_labels[0].split()] if summaries else []
+    """The headers (job, the distinguishing groups, then COLUMNS) and one row per job."""
+    choice_columns = distinguishing_groups(summaries)
     table = []
     for summary in summaries:
         values = {
