@@ -11,6 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -23,12 +24,22 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
+class DimMode(Enum):
+    """How torch.export sees a dynamic dim: `backed` by the example's size (a `Dim`, whose guards
+    may specialize it, which the export stage turns into an error), or `unbacked`, with no size
+    to guard on (a ShapeVar of torch's ShapesSpec API), so nothing can specialize it."""
+
+    backed = "backed"
+    unbacked = "unbacked"
+
+
 @dataclass
 class DimBounds:
     """Inclusive bounds of one named dynamic dim; every consumer derives its shapes from these."""
 
     min: int = 1
     max: int = MISSING
+    mode: DimMode = DimMode.backed
 
 
 @dataclass
@@ -60,6 +71,33 @@ class MlpConfig(ModelConfig):
 
 
 @dataclass
+class MoeConfig(ModelConfig):
+    """Top-k routed experts: each expert gathers the tokens routed to it, a data-dependent count."""
+
+    features: int = MISSING
+    hidden_features: int = MISSING
+    experts: int = MISSING
+    top_k: int = MISSING
+
+
+@dataclass
+class MaskedConfig(ModelConfig):
+    """Boolean-mask selection: a gate picks rows, only those go through the MLP."""
+
+    features: int = MISSING
+    hidden_features: int = MISSING
+
+
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """Your own model: `factory` is "package.module:function" or "path/to/file.py:function",
+    called with `options` and returning an exporter.models.ModelDeclaration."""
+
+    factory: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class BackendConfig:
     """`atol`/`rtol` are the backend's default tolerances; `validate.atol/rtol` override them."""
 
@@ -71,13 +109,78 @@ class BackendConfig:
 class FallbackPolicy(Enum):
     auto = "auto"
     strict = "strict"
+    data_dependent = "data_dependent"
 
 
 @dataclass
 class FallbackConfig:
-    """`auto`: ops the backend does not take run on portable CPU kernels; `strict`: fail instead."""
+    """Where ops the backend cannot or must not run go: one vocabulary that each backend maps to
+    its own controls.
+
+    `auto`: the backend takes what it can, the rest runs on the portable CPU kernels (or in
+    PyTorch); `strict`: everything on the backend, or the job fails at lowering;
+    `data_dependent`: like auto, and every node whose output shape depends on tensor values
+    (nonzero, boolean indexing, masked_select, unique...) stays off the backend.
+    `ops` forces the named ATen ops ("aten.nonzero.default") off the backend; `min_block_size`
+    is the fewest compute nodes a delegated block may have."""
 
     policy: FallbackPolicy = MISSING
+    ops: list[str] = field(default_factory=list)
+    min_block_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_block_size < 1:
+            raise ConfigError(
+                f"fallback.min_block_size is {self.min_block_size}; it must be 1 or more."
+            )
+        for op in self.ops:
+            _check_op_name(op)
+        if self.policy is FallbackPolicy.strict and self.ops:
+            raise ConfigError(
+                f"fallback=strict requires every op on the backend, but fallback.ops forces "
+                f"{', '.join(self.ops)} off it; use fallback=auto with fallback.ops, or drop "
+                "fallback.ops."
+            )
+        if self.policy is FallbackPolicy.strict and self.min_block_size > 1:
+            raise ConfigError(
+                f"fallback=strict requires every op on the backend, but "
+                f"fallback.min_block_size={self.min_block_size} keeps smaller blocks off it; "
+                "use fallback=auto with fallback.min_block_size, or set it to 1."
+            )
+
+    def partitioning(self) -> dict[str, Any]:
+        """What changes the partition; `strict` and `auto` partition alike and differ in the
+        verdict only, so a strict job can reuse an auto job's lowering."""
+        return {
+            "data_dependent_off": self.policy is FallbackPolicy.data_dependent,
+            "ops": sorted(self.ops),
+            "min_block_size": self.min_block_size,
+        }
+
+
+def _check_op_name(op: str) -> None:
+    """`fallback.ops` entries name an ATen overload as the partition report prints it."""
+    namespace, _, rest = op.partition(".")
+    name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
+    if not overload or packet is None or overload not in packet.overloads():
+        raise ConfigError(
+            f"fallback.ops has {op!r}, which is not an operator overload; write it as the "
+            "partition report prints ops, namespace.name.overload (aten.nonzero.default)."
+        )
+
+
+class ExportFailurePolicy(Enum):
+    fail = "fail"
+    draft = "draft"
+
+
+@dataclass
+class ExportConfig:
+    """`on_failure=fail`: a failed torch.export ends the job (exit 3) with draft_export's
+    diagnosis; `draft`: the job goes on with draft_export's program, tagged as a draft."""
+
+    on_failure: ExportFailurePolicy = ExportFailurePolicy.fail
 
 
 @dataclass
@@ -101,6 +204,7 @@ class MlflowConfig:
 class JobConfig:
     model: ModelConfig = MISSING
     dynamic: dict[str, DimBounds] = field(default_factory=dict)
+    export: ExportConfig = field(default_factory=ExportConfig)
     backend: BackendConfig = MISSING
     fallback: FallbackConfig = MISSING
     validate: ValidateConfig = MISSING
@@ -112,6 +216,15 @@ class JobConfig:
     cache_dir: str = "${project_root:}/outputs/cache"
 
     def __post_init__(self) -> None:
+        modes = {bounds.mode for bounds in self.dynamic.values() if bounds.min < bounds.max}
+        if len(modes) > 1:
+            # torch 2.14 has no spec for both: ShapesSpec makes every dim it names unbacked,
+            # a Dim-style spec makes every dim backed.
+            raise ConfigError(
+                "dynamic: "
+                + ", ".join(f"{name}.mode={b.mode.value}" for name, b in self.dynamic.items())
+                + "; one export takes all its dims backed or all unbacked."
+            )
         for name, bounds in self.dynamic.items():
             if bounds.min < 1:
                 raise ConfigError(f"dynamic.{name}.min is {bounds.min}; it must be at least 1.")
@@ -152,6 +265,9 @@ def register_schemas() -> None:
     store.store(name="job_schema", node=JobConfig)
     store.store(group="schema/model", name="llama", node=LlamaConfig)
     store.store(group="schema/model", name="mlp", node=MlpConfig)
+    store.store(group="schema/model", name="moe", node=MoeConfig)
+    store.store(group="schema/model", name="masked", node=MaskedConfig)
+    store.store(group="schema/model", name="custom", node=CustomModelConfig)
     store.store(group="schema/backend", name="backend", node=BackendConfig)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)

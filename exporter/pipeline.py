@@ -105,11 +105,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
         with _stage(record, "export", ExportFailed):
-            with _built(
-                cache, record, "export", material, lambda out: export.run(bundle, out)
-            ) as folder:
-                link_files(folder, run_dir)
-            exported = export.load(run_dir / export.PROGRAM_FILE)
+            exported = _export(cache, record, job, bundle, material)
         with _stage(record, "lower", LoweringFailed):
             artifact = _lower(cache, record, job, exported, material)
     record.artifact = artifact
@@ -175,6 +171,31 @@ def _built(
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _export(
+    cache: Cache | None,
+    record: JobRecord,
+    job: config.JobConfig,
+    bundle: models.ModelBundle,
+    material: dict[str, Any],
+) -> Exported:
+    """The exported program, linked into the run dir; a failed export leaves its diagnosis
+    there (export_report.json / .txt) instead."""
+
+    def build(out: Path) -> None:
+        export.run(bundle, job.export.on_failure, out)
+
+    try:
+        with _built(cache, record, "export", material, build) as folder:
+            link_files(folder, record.run_dir)
+    except export.ExportDiagnosed as failure:
+        record.diagnosis = failure.diagnosis
+        failure.diagnosis.write(record.run_dir)
+        raise
+    exported = export.load(record.run_dir)
+    record.diagnosis = exported.diagnosis
+    return exported
+
+
 def _lower(
     cache: Cache | None,
     record: JobRecord,
@@ -185,6 +206,7 @@ def _lower(
     material = {
         **export_material,
         "backend": dataclasses.asdict(job.backend),
+        "fallback": job.fallback.partitioning(),
         "executorch": importlib.metadata.version("executorch"),
     }
     with _built(
@@ -200,7 +222,8 @@ def _export_material(job: config.JobConfig) -> dict[str, Any]:
     """What determines the exported program, and with a seed and shapes, the goldens too."""
     material: dict[str, Any] = {
         "model": dataclasses.asdict(job.model),
-        "dynamic": {name: [b.min, b.max] for name, b in sorted(job.dynamic.items())},
+        "dynamic": {name: [b.min, b.max, b.mode.value] for name, b in sorted(job.dynamic.items())},
+        "on_failure": job.export.on_failure.value,
         "torch": torch.__version__,
     }
     checkpoint = getattr(job.model, "checkpoint", None)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from exporter.backends import Artifact
 from exporter.errors import ExporterError
+from exporter.export import Diagnosis
 from exporter.validate import Report
 
 # MLflow's run status -> the word the `status` tag and the comparison table use for it.
@@ -25,6 +26,8 @@ class JobRecord:
     ended_ms: int | None = None
     # Wall seconds per stage that ran, in order: {"export": 1.2, "lower": 30.5, ...}.
     seconds: dict[str, float] = field(default_factory=dict)
+    # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.
+    diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
     report: Report | None = None
     # Per cached stage (export, goldens, lower): whether its work came from the cache.

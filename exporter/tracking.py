@@ -178,6 +178,7 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     figures = {
         "artifact_bytes": summary.artifact_bytes,
         "delegated_fraction": summary.delegated_fraction,
+        "fallback_op_count": summary.fallback_op_count,
         "worst_max_abs_err": summary.worst_max_abs_err,
         "worst_nrmse": summary.worst_nrmse,
     }
@@ -201,6 +202,11 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     if summary.cache_hits:
         tags["cache_hit"] = str(any(summary.cache_hits.values())).lower()
         tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in summary.cache_hits.items()})
+    if summary.export_failures:
+        tags["export.failure_kinds"] = ",".join(summary.export_failures)
+    if summary.draft:
+        # The program came from draft_export: valid for inputs that branch like the example.
+        tags["export.draft"] = "true"
     if summary.error:
         tags["failed_stage"] = str(summary.failed_stage)
         tags["error"] = summary.error[:5000]

@@ -7,10 +7,17 @@ import re
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from exporter import config, models
-from exporter.config import FallbackPolicy, LlamaConfig, MlpConfig
+from exporter.config import (
+    DimBounds,
+    DimMode,
+    ExportFailurePolicy,
+    FallbackPolicy,
+    LlamaConfig,
+    MlpConfig,
+)
 from exporter.errors import ConfigError
 from tests.conftest import CONF_DIR
 
@@ -80,7 +87,7 @@ def test_wrong_types_and_keys_fail_at_compose_time() -> None:
         composed("model.hidden=3")
     with pytest.raises(ConfigCompositionException) as error:
         composed("fallback.policy=everything")
-    assert "expected one of [auto, strict]" in str(error.value.__cause__)
+    assert "expected one of [auto, strict, data_dependent]" in str(error.value.__cause__)
 
 
 def test_unknown_backend_lists_the_available_ones() -> None:
@@ -110,3 +117,68 @@ def test_params_are_the_flattened_resolved_config() -> None:
     assert params["fallback.policy"] == "auto"
     assert params["mlflow.tracking_uri"].startswith("sqlite:///")
     assert "${" not in "".join(params.values())
+
+
+def test_dims_are_backed_unless_a_mode_says_unbacked() -> None:
+    assert config.to_job(composed()).dynamic["seq"].mode is DimMode.backed
+    job = config.to_job(composed("model=moe", "dynamic.tokens.mode=unbacked"))
+    assert job.dynamic["tokens"].mode is DimMode.unbacked
+    with pytest.raises(ConfigCompositionException):
+        composed("dynamic.seq.mode=sometimes")
+
+
+def test_one_export_cannot_mix_backed_and_unbacked_dims() -> None:
+    cfg = composed("model=mlp", "dynamic.batch.mode=unbacked")
+    with open_dict(cfg):
+        cfg.dynamic["extra"] = DimBounds(min=1, max=8, mode=DimMode.backed)
+    with pytest.raises(ConfigError, match=re.escape("batch.mode=unbacked, extra.mode=backed")):
+        config.to_job(cfg)
+
+
+def test_a_failed_export_ends_the_job_unless_on_failure_is_draft() -> None:
+    assert config.to_job(composed()).export.on_failure is ExportFailurePolicy.fail
+    job = config.to_job(composed("export.on_failure=draft"))
+    assert job.export.on_failure is ExportFailurePolicy.draft
+
+
+def test_fallback_groups_share_one_vocabulary() -> None:
+    for policy in FallbackPolicy:
+        fallback = config.to_job(composed(f"fallback={policy.value}")).fallback
+        assert (fallback.policy, fallback.ops, fallback.min_block_size) == (policy, [], 1)
+    fallback = config.to_job(
+        composed("fallback.ops=[aten.nonzero.default]", "fallback.min_block_size=3")
+    ).fallback
+    assert (fallback.ops, fallback.min_block_size) == (["aten.nonzero.default"], 3)
+
+
+def test_strict_and_auto_partition_alike_so_they_share_a_lowering() -> None:
+    def partitioning(*overrides: str) -> dict:
+        return config.to_job(composed(*overrides)).fallback.partitioning()
+
+    assert partitioning("fallback=strict") == partitioning("fallback=auto")
+    assert partitioning("fallback=data_dependent") != partitioning("fallback=auto")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["fallback=strict", "fallback.ops=[aten.nonzero.default]"],
+            "fallback=strict requires every op on the backend, but fallback.ops forces "
+            "aten.nonzero.default off it",
+        ),
+        (
+            ["fallback=strict", "fallback.min_block_size=2"],
+            "fallback=strict requires every op on the backend, but "
+            "fallback.min_block_size=2 keeps smaller blocks off it",
+        ),
+        (["fallback.min_block_size=0"], "fallback.min_block_size is 0; it must be 1 or more"),
+        (["fallback.ops=[aten.nonzeroo.default]"], "fallback.ops has 'aten.nonzeroo.default'"),
+        (["fallback.ops=[nonzero]"], "namespace.name.overload (aten.nonzero.default)"),
+    ],
+)
+def test_contradicting_or_unknown_fallback_settings_are_config_errors(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.to_job(composed(*overrides))

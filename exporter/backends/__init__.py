@@ -17,7 +17,7 @@ from exporter.files import write_json
 __all__ = ["Artifact", "PartitionSummary", "adopt", "check_fallback", "lower", "lowered_in"]
 
 # Each backend module has FORMAT, ARTIFACT_FILE, DELEGATE (None where nothing is delegated) and
-# lower(exported, backend, out_dir).
+# lower(exported, backend, fallback, out_dir), which maps the fallback policy to its own controls.
 # Imported on use: a job pays only for the toolchain of its own backend.
 _BACKENDS = ("eager", "executorch")
 
@@ -31,8 +31,9 @@ def _backend(name: str) -> ModuleType:
 def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
     """Writes the artifact file into `out_dir`, and partition.json where the backend partitions.
 
-    The fallback policy does not change what is lowered; `check_fallback` judges it after."""
-    artifact = _backend(job.backend.name).lower(exported, job.backend, out_dir)
+    The policy's partitioning settings shape what is lowered; whether `strict` holds is judged
+    after, by `check_fallback`."""
+    artifact = _backend(job.backend.name).lower(exported, job.backend, job.fallback, out_dir)
     if artifact.partition:
         write_json(out_dir / PARTITION_FILE, artifact.partition.to_json())
     return artifact

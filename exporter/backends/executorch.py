@@ -1,19 +1,40 @@
-"""ExecuTorch with the XNNPACK delegate: exported program -> edge dialect -> partitioned -> .pte."""
+"""ExecuTorch with the XNNPACK delegate: exported program -> edge dialect -> partitioned -> .pte.
+
+The fallback policy maps onto XNNPACK's partitioner: nodes the policy keeps off the backend
+never pass its per-op constraint checks, and partitions with fewer compute nodes than
+`fallback.min_block_size` are not delegated. What XNNPACK refuses, and its own reason, is read
+from the partitioner's "why no partition" debug log while it runs.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower
+from executorch.exir.backend.canonical_partitioners.config_partitioner import format_target_name
+from executorch.exir.backend.utils import WhyNoPartition
 from executorch.exir.lowered_backend_module import LoweredBackendModule
+from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+from torch.fx.passes.infra.partitioner import Partition
 
 from exporter.backends.artifact import Artifact
-from exporter.backends.partition import CPU, NodePlacement, PartitionSummary
-from exporter.config import BackendConfig
+from exporter.backends.partition import (
+    CPU,
+    DELEGATED,
+    SMALL_BLOCK,
+    UNSUPPORTED,
+    NodePlacement,
+    PartitionSummary,
+    op_name,
+    policy_reason,
+)
+from exporter.config import BackendConfig, FallbackConfig
 from exporter.export import Exported
 from exporter.files import atomic_path
 
@@ -22,12 +43,106 @@ log = logging.getLogger(__name__)
 FORMAT = "pte"
 ARTIFACT_FILE = "model.pte"
 DELEGATE = "XNNPACK"
+_XNNPACK_LOGGER = "executorch.backends.xnnpack"
 
 
-def lower(exported: Exported, backend: BackendConfig, out_dir: Path) -> Artifact:
-    log.info("[lower] ExecuTorch: XNNPACK partitioner")
-    edge = to_edge_transform_and_lower(exported.program, partitioner=[XnnpackPartitioner()])
-    partition = summarize(edge.exported_program().graph_module)
+class PolicyPartitioner(XnnpackPartitioner):
+    """XNNPACK's partitioner under a fallback policy; remembers what it left out and why."""
+
+    def __init__(self, fallback: FallbackConfig) -> None:
+        super().__init__()
+        self.fallback = fallback
+        # Node name -> size of the block it was in, for blocks under min_block_size.
+        self.small_blocks: dict[str, int] = {}
+        # Node name -> XNNPACK's reason for refusing it.
+        self.refusals: dict[str, str] = {}
+        for config in self.target_partitioner_configs.values():
+            config.check_constraints = self._under_policy(config.check_constraints)
+
+    def _under_policy(
+        self, check: Callable[[torch.fx.Node, ExportedProgram], bool]
+    ) -> Callable[[torch.fx.Node, ExportedProgram], bool]:
+        def check_under_policy(node: torch.fx.Node, program: ExportedProgram) -> bool:
+            return policy_reason(node, self.fallback) is None and check(node, program)
+
+        return check_under_policy
+
+    def ops_to_not_decompose(
+        self, ep: ExportedProgram
+    ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
+        # XNNPACK keeps ops it takes whole (linear) from decomposing, but only a delegate can
+        # run them so; a block dropped for its size must fall back to portable kernels, so
+        # with min_block_size > 1 everything decomposes first.
+        if self.fallback.min_block_size > 1:
+            return [], None
+        return super().ops_to_not_decompose(ep)
+
+    def get_matched_nodes_from_configs(self, ep: ExportedProgram) -> list[list[torch.fx.Node]]:
+        # A match also carries the nodes its anchor takes along (the relu fused into a linear);
+        # those obey the policy too.
+        matches = super().get_matched_nodes_from_configs(ep)
+        kept = [
+            [node for node in match if policy_reason(node, self.fallback) is None]
+            for match in matches
+        ]
+        return [match for match in kept if match]
+
+    def generate_partitions(self, ep: ExportedProgram) -> list[Partition]:
+        kept = []
+        for partition in super().generate_partitions(ep):
+            compute = [node for node in partition.nodes if node.op == "call_function"]
+            if len(compute) >= self.fallback.min_block_size:
+                kept.append(partition)
+            else:
+                self.small_blocks.update({node.name: len(compute) for node in compute})
+        return kept
+
+    def supports(self, node: torch.fx.Node) -> bool:
+        return format_target_name(node.target.__name__) in self.target_partitioner_configs
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """Collects XNNPACK's WhyNoPartition messages, logged at DEBUG, while partitioning."""
+        partitioner_log = logging.getLogger(_XNNPACK_LOGGER)
+        handler = _RefusalHandler(self.refusals)
+        level, propagate = partitioner_log.level, partitioner_log.propagate
+        partitioner_log.addHandler(handler)
+        partitioner_log.setLevel(logging.DEBUG)
+        # Kept from the job's log: the partition report says it once, per node.
+        partitioner_log.propagate = False
+        try:
+            yield
+        finally:
+            partitioner_log.removeHandler(handler)
+            partitioner_log.setLevel(level)
+            partitioner_log.propagate = propagate
+
+
+class _RefusalHandler(logging.Handler):
+    def __init__(self, refusals: dict[str, str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.refusals = refusals
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # WhyNoPartition is logged as the object itself and reused: read it now.
+        why = record.msg
+        if isinstance(why, WhyNoPartition) and why.node is not None:
+            self.refusals.setdefault(why.node.name, why.reason)
+
+
+def lower(
+    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
+) -> Artifact:
+    log.info(
+        "[lower] ExecuTorch: XNNPACK partitioner (fallback=%s, ops=%s, min_block_size=%d)",
+        fallback.policy.value,
+        fallback.ops,
+        fallback.min_block_size,
+    )
+    partitioner = PolicyPartitioner(fallback)
+    with partitioner.listening():
+        edge = to_edge_transform_and_lower(exported.program, partitioner=[partitioner])
+    partition = summarize(edge.exported_program().graph_module, partitioner)
     log.info("[lower] %s", partition.describe())
     program = edge.to_executorch()
     path = out_dir / ARTIFACT_FILE
@@ -36,8 +151,10 @@ def lower(exported: Exported, backend: BackendConfig, out_dir: Path) -> Artifact
     return Artifact(path=path, format=FORMAT, partition=partition)
 
 
-def summarize(graph_module: torch.fx.GraphModule) -> PartitionSummary:
-    """Places every compute node: inside a delegate (by backend id) or on the CPU kernels."""
+def summarize(
+    graph_module: torch.fx.GraphModule, partitioner: PolicyPartitioner
+) -> PartitionSummary:
+    """Places every compute node, inside a delegate (by backend id) or on the CPU, with why."""
     nodes: list[NodePlacement] = []
     delegates = 0
     for node in graph_module.graph.nodes:
@@ -45,13 +162,40 @@ def summarize(graph_module: torch.fx.GraphModule) -> PartitionSummary:
         if isinstance(lowered, LoweredBackendModule):
             delegates += 1
             nodes.extend(
-                NodePlacement(inner.name, _op_name(inner), lowered.backend_id)
+                NodePlacement(inner.name, op_name(inner), lowered.backend_id, DELEGATED)
                 for inner in lowered.original_module.graph.nodes
                 if _is_compute(inner)
             )
         elif _is_compute(node):
-            nodes.append(NodePlacement(node.name, _op_name(node), CPU))
+            reason, detail = _why_on_cpu(node, partitioner)
+            nodes.append(NodePlacement(node.name, op_name(node), CPU, reason, detail))
     return PartitionSummary(nodes=tuple(nodes), delegates=delegates)
+
+
+def _why_on_cpu(node: torch.fx.Node, partitioner: PolicyPartitioner) -> tuple[str, str]:
+    kept_off = policy_reason(node, partitioner.fallback)
+    if kept_off:
+        return kept_off
+    if node.name in partitioner.small_blocks:
+        size = partitioner.small_blocks[node.name]
+        return SMALL_BLOCK, (
+            f"its block had {size} compute node(s), under "
+            f"fallback.min_block_size={partitioner.fallback.min_block_size}"
+        )
+    if not partitioner.supports(node):
+        return UNSUPPORTED, "XNNPACK has no kernel for this op"
+    if _touches_unbacked_size(node):
+        return UNSUPPORTED, "XNNPACK takes no tensor whose size is data-dependent (unbacked)"
+    return UNSUPPORTED, partitioner.refusals.get(node.name, "XNNPACK's constraints refused it")
+
+
+def _touches_unbacked_size(node: torch.fx.Node) -> bool:
+    values = [node.meta.get("val")] + [
+        arg.meta.get("val") for arg in node.all_input_nodes if arg.op != "get_attr"
+    ]
+    return any(
+        isinstance(value, torch.Tensor) and has_free_unbacked_symbols(value) for value in values
+    )
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
@@ -61,8 +205,3 @@ def _is_compute(node: torch.fx.Node) -> bool:
     value = node.meta.get("val")
     values = value if isinstance(value, Sequence) else [value]
     return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    # Edge ops wrap the ATen overload in `_op`; its str is "aten.view_copy.default".
-    return str(getattr(node.target, "_op", node.target))

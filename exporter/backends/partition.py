@@ -1,15 +1,29 @@
-"""Where each compute node of a lowered program runs, and the fallback policy applied to it."""
+"""Where each compute node of a lowered program runs and why, and the fallback policy's verdict.
+
+The vocabulary is every backend's: a node runs in a delegate (by its backend id) or on the CPU,
+and a node on the CPU is there because the backend does not support it, because the policy keeps
+data-dependent output shapes off the backend, because the user named its op, or because its
+block was smaller than `fallback.min_block_size`.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import torch
+
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
 
 CPU = "cpu"
 PARTITION_FILE = "partition.json"
+
+DELEGATED = "delegated"
+UNSUPPORTED = "unsupported by the backend"
+DATA_DEPENDENT = "data-dependent output shape"
+NAMED = "named in fallback.ops"
+SMALL_BLOCK = "block too small"
 
 
 @dataclass(frozen=True)
@@ -18,6 +32,9 @@ class NodePlacement:
     op: str
     # The delegate's backend id, or CPU for a node left on the portable kernels.
     placement: str
+    reason: str
+    # The backend's own words, where it gave some.
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -33,22 +50,46 @@ class PartitionSummary:
     def delegated_fraction(self) -> float:
         return self.delegated_nodes / len(self.nodes) if self.nodes else 1.0
 
+    @property
+    def fallback_op_count(self) -> int:
+        """Compute nodes outside every delegate."""
+        return len(self.nodes) - self.delegated_nodes
+
     def ops_outside(self) -> dict[str, int]:
         """Op name -> how many of its nodes stayed outside every delegate, most frequent first."""
         counts = Counter(node.op for node in self.nodes if node.placement == CPU)
         return dict(counts.most_common())
 
-    def describe(self) -> str:
-        outside = self.ops_outside()
+    def groups(self) -> list[tuple[str, str, str, str, int]]:
+        """(placement, reason, op, detail, nodes), CPU rows first, then by count."""
+        counts = Counter((n.placement, n.reason, n.op, n.detail) for n in self.nodes)
+        rows = [(*key, count) for key, count in counts.items()]
+        return sorted(rows, key=lambda row: (row[0] != CPU, row[1], -row[4], row[2]))
+
+    def table(self) -> str:
+        """One row per (where, why, op), then the backend's words for each reason given."""
+        header = ("runs on", "why", "op", "nodes")
+        rows = [(p, r, op, str(n)) for p, r, op, _, n in self.groups()]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         lines = [
-            f"{self.delegated_nodes} of {len(self.nodes)} compute nodes delegated "
-            f"({self.delegated_fraction:.0%}) in {self.delegates} delegate calls"
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in [header, *rows]
         ]
-        if outside:
-            lines.append(
-                "outside the delegate: " + ", ".join(f"{op} x{n}" for op, n in outside.items())
-            )
+        ops_by_detail: dict[str, set[str]] = {}
+        for placement, _, op, detail, _ in self.groups():
+            if placement == CPU and detail:
+                ops_by_detail.setdefault(detail, set()).add(op)
+        if ops_by_detail:
+            lines.append("in detail:")
+            lines += [f"  {d}: {', '.join(sorted(ops))}" for d, ops in ops_by_detail.items()]
         return "\n".join(lines)
+
+    def describe(self) -> str:
+        return (
+            f"{self.delegated_nodes} of {len(self.nodes)} compute nodes delegated "
+            f"({self.delegated_fraction:.0%}) in {self.delegates} delegate calls; "
+            f"{self.fallback_op_count} fall back\n{self.table()}"
+        )
 
     def to_json(self) -> dict:
         return {
@@ -56,7 +97,12 @@ class PartitionSummary:
             "compute_nodes": len(self.nodes),
             "delegated_nodes": self.delegated_nodes,
             "delegated_fraction": self.delegated_fraction,
+            "fallback_op_count": self.fallback_op_count,
             "ops_outside": self.ops_outside(),
+            "groups": [
+                {"placement": p, "reason": r, "op": op, "detail": d, "nodes": n}
+                for p, r, op, d, n in self.groups()
+            ],
             "nodes": [asdict(node) for node in self.nodes],
         }
 
@@ -66,13 +112,47 @@ class PartitionSummary:
         return cls(nodes=nodes, delegates=payload["delegates"])
 
 
+def op_name(node: torch.fx.Node) -> str:
+    # Edge ops wrap the ATen overload in `_op`; its str is "aten.view_copy.default".
+    return str(getattr(node.target, "_op", node.target))
+
+
+def names_of(node: torch.fx.Node) -> set[str]:
+    """The node's op, and the op it was decomposed from: a user naming aten.linear.default
+    means the addmm that linear became too."""
+    names = {op_name(node)}
+    original = node.meta.get("original_aten")
+    if original is not None:
+        names.add(str(original))
+    return names
+
+
+def makes_data_dependent_shape(node: torch.fx.Node) -> bool:
+    """The node creates a size known only from tensor values (nonzero, x[mask], unique...)."""
+    return node.op == "call_function" and bool(node.meta.get("unbacked_bindings"))
+
+
+def policy_reason(node: torch.fx.Node, fallback: FallbackConfig) -> tuple[str, str] | None:
+    """(reason, detail) where the fallback policy keeps the node off the backend."""
+    named = sorted(names_of(node) & set(fallback.ops))
+    if named:
+        return NAMED, f"fallback.ops has {named[0]}"
+    if fallback.policy is FallbackPolicy.data_dependent and makes_data_dependent_shape(node):
+        return DATA_DEPENDENT, "its output size depends on tensor values (fallback=data_dependent)"
+    return None
+
+
 def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:
     """Raises LoweringFailed under `fallback=strict` if any compute node stayed outside."""
-    outside = summary.ops_outside()
-    if fallback.policy is FallbackPolicy.strict and outside:
-        listing = "\n".join(f"  {op} x{count}" for op, count in outside.items())
-        raise LoweringFailed(
-            f"fallback=strict: {sum(outside.values())} compute nodes would run outside the "
-            f"{backend} delegate:\n{listing}\n"
-            "Use fallback=auto to run them on the portable CPU kernels."
-        )
+    if fallback.policy is not FallbackPolicy.strict or not summary.fallback_op_count:
+        return
+    listing = "\n".join(
+        f"  {op} x{count}: {detail or reason}"
+        for placement, reason, op, detail, count in summary.groups()
+        if placement == CPU
+    )
+    raise LoweringFailed(
+        f"fallback=strict: {summary.fallback_op_count} compute nodes would run outside the "
+        f"{backend} delegate:\n{listing}\n"
+        "Use fallback=auto (or data_dependent) to run them on the portable CPU kernels."
+    )

@@ -42,6 +42,11 @@ class JobSummary:
     latency_at_max_ms: float | None = None
     artifact_bytes: int | None = None
     delegated_fraction: float | None = None
+    fallback_op_count: int | None = None
+    # The kinds of problem draft_export found when torch.export failed, and whether the job
+    # went on with draft_export's program (export.on_failure=draft).
+    export_failures: list[str] = field(default_factory=list)
+    draft: bool = False
     # Wall seconds per stage that ran: export, lower, validate.
     seconds: dict[str, float] = field(default_factory=dict)
     # Per cached stage: whether its work came from the cache.
@@ -69,6 +74,10 @@ class JobSummary:
             summary.artifact_bytes = record.artifact.path.stat().st_size
             if record.artifact.partition:
                 summary.delegated_fraction = record.artifact.partition.delegated_fraction
+                summary.fallback_op_count = record.artifact.partition.fallback_op_count
+        if record.diagnosis:
+            summary.export_failures = record.diagnosis.kinds
+            summary.draft = record.diagnosis.continued_with_draft
         if record.report:
             results = record.report.by_shape()
             summary.worst_max_abs_err = record.report.worst("max_abs")

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from exporter.config import DimBounds, LlamaConfig, MlpConfig, ModelConfig
+from exporter.config import (
+    CustomModelConfig,
+    DimBounds,
+    LlamaConfig,
+    MaskedConfig,
+    MlpConfig,
+    ModelConfig,
+    MoeConfig,
+)
 from exporter.errors import ConfigError
-from exporter.models import llama, mlp
+from exporter.models import custom, llama, masked, mlp, moe
 from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
 
 _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
     LlamaConfig: llama.declare,
     MlpConfig: mlp.declare,
+    MoeConfig: moe.declare,
+    MaskedConfig: masked.declare,
+    CustomModelConfig: custom.declare,
 }
 
-__all__ = ["DynamicDim", "ModelBundle", "build"]
+__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build"]
 
 
 def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
@@ -54,5 +65,6 @@ def _bound_dims(
                 f"dynamic.{name}.max is {bounds.max}, beyond what model '{model}' supports "
                 f"({limit}); allowed: {bounds.min}..{limit}."
             )
-        dims.append(DynamicDim(name, tuple(declaration.dim_axes[name]), bounds.min, bounds.max))
+        axes = tuple(declaration.dim_axes[name])
+        dims.append(DynamicDim(name, axes, bounds.min, bounds.max, bounds.mode))
     return tuple(dims)

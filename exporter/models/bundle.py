@@ -7,15 +7,22 @@ from dataclasses import dataclass
 
 import torch
 
+from exporter.config import DimMode
+
 
 @dataclass(frozen=True)
 class DynamicDim:
-    """A named dim, the input axes that carry it, and its configured bounds."""
+    """A named dim, the input axes that carry it, its configured bounds and how export sees it."""
 
     name: str
     axes: tuple[tuple[str, int], ...]
     min: int
     max: int
+    mode: DimMode = DimMode.backed
+
+    @property
+    def is_static(self) -> bool:
+        return self.min == self.max
 
 
 # Sizes of every dynamic dim and a seed -> the model's positional inputs at those sizes.

@@ -1,0 +1,90 @@
+"""The export stage: torch.export with the declared dynamic dims, saved as program.pt2.
+
+A failed export is diagnosed with draft_export (export_report.json / .txt, exit 3); with
+`export.on_failure=draft` the job goes on with draft_export's program instead, and its report
+stays beside the program. An export that narrows a declared dim fails either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.export import ExportedProgram
+
+from exporter.config import ExportFailurePolicy
+from exporter.errors import ExportFailed
+from exporter.export import shapes
+from exporter.export.diagnosis import Diagnosis, diagnose
+from exporter.files import atomic_path
+from exporter.models import ModelBundle
+
+log = logging.getLogger(__name__)
+
+PROGRAM_FILE = "program.pt2"
+
+__all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "run"]
+
+
+class ExportDiagnosed(ExportFailed):
+    """torch.export failed; `diagnosis` says where and what to do."""
+
+    def __init__(self, diagnosis: Diagnosis) -> None:
+        super().__init__(diagnosis.text())
+        self.diagnosis = diagnosis
+
+
+@dataclass(frozen=True)
+class Exported:
+    program: ExportedProgram
+    path: Path
+    # Set when torch.export failed and the job went on with draft_export's program.
+    diagnosis: Diagnosis | None = None
+
+
+def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> Exported:
+    example = bundle.make_inputs(bundle.max_sizes(), 0)
+    bounds = ", ".join(
+        f"{d.name} in [{d.min}, {d.max}] ({'static' if d.is_static else d.mode.value})"
+        for d in bundle.dims
+    )
+    log.info("[export] torch.export of %s with %s", bundle.name, bounds)
+    diagnosis = None
+    try:
+        # On failure torch.export prints its partial graph to stderr; the report keeps it.
+        with contextlib.redirect_stderr(io.StringIO()):
+            program = torch.export.export(
+                bundle.module, example, dynamic_shapes=shapes.spec(bundle), strict=False
+            )
+    except Exception as error:
+        log.info("[export] torch.export failed; diagnosing with torch.export.draft_export")
+        diagnosis, program = diagnose(bundle, example, error)
+        if on_failure is ExportFailurePolicy.fail or program is None:
+            raise ExportDiagnosed(diagnosis) from error
+        if shapes.narrowed(program, bundle):
+            log.error("[export] export.on_failure=draft: the draft program narrows declared dims")
+            raise ExportDiagnosed(diagnosis) from error
+        diagnosis.continued_with_draft = True
+        log.warning("[export] %s", diagnosis.text())
+        diagnosis.write(out_dir)
+    else:
+        narrowed = shapes.narrowed(program, bundle)
+        if narrowed:
+            # Nothing raised, yet a dim came out narrower (an unbacked dim that a runtime
+            # assert pinned): as much a failure as a constraint violation.
+            error = ExportFailed("torch.export narrowed declared-dynamic dims")
+            raise ExportDiagnosed(diagnose(bundle, example, error, narrowed)[0])
+    path = out_dir / PROGRAM_FILE
+    with atomic_path(path) as temporary:
+        torch.export.save(program, temporary)
+    return Exported(program=program, path=path, diagnosis=diagnosis)
+
+
+def load(folder: Path) -> Exported:
+    """The program that `run` saved into `folder` (or a copy of it), as `run` returned it."""
+    path = folder / PROGRAM_FILE
+    return Exported(program=torch.export.load(path), path=path, diagnosis=Diagnosis.read(folder))

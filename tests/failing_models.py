@@ -1,0 +1,76 @@
+"""Models written to fail torch.export, declared for `model=custom model.factory=...`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from exporter.models import ModelDeclaration
+
+
+class BranchOnValue(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # the line the data-dependent diagnosis must name
+            return x * 2
+        return x - 1
+
+
+class FixedBatch(torch.nn.Module):
+    """Adds a bias with a batch dim of its own: only a batch of exactly `rows` broadcasts."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(rows, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias  # the line the specialization diagnosis must name
+
+
+class NarrowBatch(torch.nn.Module):
+    """Takes a different path above 32 rows: export sees only the example's (64) side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 32:  # the line the narrowing diagnosis must name
+            return x[:32] * 2
+        return x * 2
+
+
+class BranchAlwaysTaken(torch.nn.Module):
+    """Branches on data, but every input takes the same side: draft_export's program holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x * x).sum() >= 0:
+            return x * 2
+        return x
+
+
+def _declaration(module: torch.nn.Module) -> ModelDeclaration:
+    def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed)
+        return (torch.randn(sizes["batch"], 4, generator=generator),)
+
+    return ModelDeclaration(
+        module=module.eval(),
+        input_names=("x",),
+        output_names=("y",),
+        dim_axes={"batch": (("x", 0),)},
+        dim_limits={},
+        make_inputs=make_inputs,
+    )
+
+
+def branch_on_value() -> ModelDeclaration:
+    return _declaration(BranchOnValue())
+
+
+def fixed_batch(rows: int = 64) -> ModelDeclaration:
+    return _declaration(FixedBatch(rows))
+
+
+def narrow_batch() -> ModelDeclaration:
+    return _declaration(NarrowBatch())
+
+
+def branch_always_taken() -> ModelDeclaration:
+    return _declaration(BranchAlwaysTaken())

@@ -1,0 +1,154 @@
+"""The fallback policy on models with data-dependent shapes: what runs where, why, and verdicts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CliResult, SweepResult, run_exporter, run_sweep
+
+# The op that makes each model's data-dependent count, as the edge dialect names it.
+DATA_DEPENDENT_OP = {"moe": "aten.nonzero.default", "masked": "aten.index.Tensor"}
+
+
+def partition(run_dir: Path) -> dict:
+    return json.loads((run_dir / "partition.json").read_text())
+
+
+def reasons_of(run_dir: Path, op: str) -> set[str]:
+    return {node["reason"] for node in partition(run_dir)["nodes"] if node["op"] == op}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fallback")
+
+
+@pytest.fixture(scope="module")
+def sweep(workdir: Path) -> SweepResult:
+    """The issue's matrix: both models, both backends, auto and data_dependent."""
+    return run_sweep(
+        workdir,
+        workdir / "sweep",
+        "model=moe,masked",
+        "backend=eager,executorch",
+        "fallback=auto,data_dependent",
+    )
+
+
+def job_dir(sweep: SweepResult, model: str, backend: str, fallback: str) -> Path:
+    (found,) = [
+        path.parent.parent
+        for path in sweep.sweep_dir.glob("*/.hydra/overrides.yaml")
+        if {f"model={model}", f"backend={backend}", f"fallback={fallback}"}
+        <= {line.removeprefix("- ") for line in path.read_text().splitlines()}
+    ]
+    return found
+
+
+def test_moe_and_masked_pass_on_eager_and_executorch_under_auto_and_data_dependent(
+    sweep: SweepResult,
+) -> None:
+    assert sweep.exit_code == 0, sweep.output
+    parent, children = sweep.parent_and_children()
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 8
+    assert {run.info.status for run in children} == {"FINISHED"}
+    for run in children:
+        assert run.data.metrics["worst_max_abs_err"] < 1e-5, run.info.run_name
+
+
+@pytest.mark.parametrize("model", ["moe", "masked"])
+def test_the_partition_report_says_why_data_dependent_ops_fell_back(
+    sweep: SweepResult, model: str
+) -> None:
+    op = DATA_DEPENDENT_OP[model]
+    auto = job_dir(sweep, model, "executorch", "auto")
+    kept_off = job_dir(sweep, model, "executorch", "data_dependent")
+    assert reasons_of(auto, op) == {"unsupported by the backend"}
+    assert reasons_of(kept_off, op) == {"data-dependent output shape"}
+    nodes = [n for n in partition(kept_off)["nodes"] if n["op"] == op]
+    assert len(nodes) == {"moe": 4, "masked": 1}[model]
+    details = {n["detail"] for n in nodes}
+    assert details == {"its output size depends on tensor values (fallback=data_dependent)"}
+    # The table the job prints: one row per (where, why, op).
+    rows = [line.split() for line in (kept_off / "exporter.log").read_text().splitlines()]
+    assert ["cpu", "data-dependent", "output", "shape", op, str(len(nodes))] in rows
+    # Downstream of the count, XNNPACK takes nothing whose size is data-dependent; it says so.
+    assert any(
+        n["detail"] == "XNNPACK takes no tensor whose size is data-dependent (unbacked)"
+        for n in partition(kept_off)["nodes"]
+    )
+
+
+@pytest.mark.parametrize("model", ["moe", "masked"])
+def test_fallback_op_count_is_logged_with_the_delegated_fraction(
+    sweep: SweepResult, model: str
+) -> None:
+    _, children = sweep.parent_and_children()
+    for fallback in ("auto", "data_dependent"):
+        folder = job_dir(sweep, model, "executorch", fallback)
+        (run,) = [run for run in children if run.info.run_name == folder.name]
+        report = partition(folder)
+        outside = sum(node["placement"] == "cpu" for node in report["nodes"])
+        assert run.data.metrics["fallback_op_count"] == report["fallback_op_count"] == outside > 0
+        assert run.data.metrics["delegated_fraction"] == pytest.approx(report["delegated_fraction"])
+
+
+def test_strict_on_a_model_with_ops_off_the_backend_exits_4_listing_them(
+    sweep: SweepResult, workdir: Path
+) -> None:
+    # Same store and cache as the sweep: strict partitions as auto does, so lowering is reused.
+    result = run_exporter(workdir, "model=moe", "fallback=strict")
+    assert result.exit_code == 4, result.output
+    assert "Traceback" not in result.output
+    assert "compute nodes would run outside the XNNPACK delegate" in result.output
+    assert "aten.nonzero.default x4: XNNPACK has no kernel for this op" in result.output
+    assert "cache] hit: lower" in result.output
+    assert not (result.run_dir / "model.pte").exists()
+
+
+def test_unbacked_tokens_export_and_validate_under_data_dependent(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=masked", "dynamic.tokens.mode=unbacked", "fallback=data_dependent")
+    assert result.exit_code == 0, result.output
+    assert reasons_of(result.run_dir, "aten.index.Tensor") == {"data-dependent output shape"}
+
+
+def test_ops_named_in_fallback_ops_stay_off_the_backend(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=mlp", "fallback.ops=[aten.relu.default]")
+    assert result.exit_code == 0, result.output
+    nodes = partition(result.run_dir)["nodes"]
+    relus = [n for n in nodes if n["op"] == "aten.relu.default"]
+    assert len(relus) == 2
+    assert {(n["placement"], n["reason"]) for n in relus} == {("cpu", "named in fallback.ops")}
+    others = [n for n in nodes if n["op"] != "aten.relu.default"]
+    assert {n["reason"] for n in others} == {"delegated"}
+
+
+def test_blocks_under_min_block_size_are_not_delegated(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=mlp", "fallback.min_block_size=9")
+    assert result.exit_code == 0, result.output
+    report = partition(result.run_dir)
+    assert (report["delegates"], report["fallback_op_count"]) == (0, 8)
+    assert {n["reason"] for n in report["nodes"]} == {"block too small"}
+    (detail,) = {n["detail"] for n in report["nodes"]}
+    assert detail == "its block had 8 compute node(s), under fallback.min_block_size=9"
+
+
+def test_contradicting_fallback_settings_exit_2_before_any_work(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=mlp", "fallback=strict", "fallback.ops=[aten.relu.default]")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "fallback=strict requires every op on the backend" in result.output
+    assert not (result.run_dir / "program.pt2").exists()
