@@ -33,8 +33,6 @@ from exporter.export.shapes import Narrowing
 from exporter.files import write_bytes, write_json
 from exporter.models import ModelBundle
 
-log = logging.getLogger(__name__)
-
 REPORT_JSON = "export_report.json"
 REPORT_TEXT = "export_report.txt"
 
@@ -87,7 +85,9 @@ class Diagnosis:
     failures: list[Failure]
     draft_export: str
     continued_with_draft: bool = False
+    # torch's name for an input axis ("x[0]") -> our dim: how to read `error`'s sources.
     dims: dict[str, str] = field(default_factory=dict)
+    # The graph torch.export traced up to the failure.
     partial_graph: str = ""
 
     @property
@@ -170,7 +170,8 @@ def diagnose(
         ran = f"draft_export found {len(report.failures)} issue(s)"
     except Exception as draft_error:
         ran = f"draft_export failed too: {type(draft_error).__name__}: {_first_line(draft_error)}"
-    failures = _with_guard_lines(specialized, found) or [_from_error(error, bundle)]
+    backed_exports = program is not None and not found
+    failures = _with_guard_lines(specialized, found) or [_from_error(error, bundle, backed_exports)]
     failures = _with_torch_checks(failures, str(error))
     diagnosis = Diagnosis(
         error=f"{type(error).__name__}: {error}",
@@ -263,8 +264,9 @@ def _with_torch_checks(failures: list[Failure], message: str) -> list[Failure]:
     return failures
 
 
-def _from_error(error: Exception, bundle: ModelBundle) -> Failure:
-    """torch.export's error alone, where draft_export found nothing to add."""
+def _from_error(error: Exception, bundle: ModelBundle, backed_exports: bool) -> Failure:
+    """torch.export's error alone, where draft_export found nothing to add; `backed_exports`:
+    draft_export, which traces every dim backed, ran clean."""
     location = _user_frame(error)
     if not isinstance(error, GuardOnDataDependentSymNode):
         return Failure(
@@ -275,8 +277,7 @@ def _from_error(error: Exception, bundle: ModelBundle) -> Failure:
         )
     fix = _DATA_DEPENDENT_FIX
     unbacked = [d.name for d in bundle.dims if d.mode is DimMode.unbacked and not d.is_static]
-    if unbacked:
-        # draft_export traced the dims backed and found nothing: the guard is on their size.
+    if unbacked and backed_exports:
         names = ", ".join(unbacked)
         fix = (
             f"the model branches on the size of {names}, which is unbacked here; traced backed, "

@@ -3,7 +3,8 @@
 Backed dims become `torch.export.Dim(name, min, max)`: export guards on the example's sizes and
 refuses a guard that would narrow a Dim. Unbacked dims become `ShapeVar`s of torch's ShapesSpec
 API (`torch.fx.experimental.dynamic_spec`, torch 2.14): no size hint, so no guard can specialize
-them; what would have needed one fails as a data-dependent error instead.
+them; what would have needed one fails as a data-dependent error instead, or becomes a runtime
+assert that pins the dim, which `narrowed` reports as it does a narrowed backed dim.
 """
 
 from __future__ import annotations
