@@ -69,7 +69,11 @@ class PartitionSummary:
     def table(self) -> str:
         """One row per (where, why, op), then the backend's words for each reason given."""
         header = ("runs on", "why", "op", "nodes")
-        rows = [(p, r, op, str(n)) for p, r, op, _, n in self.groups()]
+        counts = Counter((n.placement, n.reason, n.op) for n in self.nodes)
+        ordered = sorted(
+            counts.items(), key=lambda item: (item[0][0] != CPU, item[0][1], -item[1], item[0][2])
+        )
+        rows = [(placement, reason, op, str(n)) for (placement, reason, op), n in ordered]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         lines = [
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -113,8 +117,11 @@ class PartitionSummary:
 
 
 def op_name(node: torch.fx.Node) -> str:
-    # Edge ops wrap the ATen overload in `_op`; its str is "aten.view_copy.default".
-    return str(getattr(node.target, "_op", node.target))
+    """ "aten.view_copy.default": an edge op's __name__ (its `_op` is not always the ATen
+    overload), an ATen overload's str."""
+    if hasattr(node.target, "_op"):
+        return str(node.target.__name__)
+    return str(node.target)
 
 
 def names_of(node: torch.fx.Node) -> set[str]:

@@ -1,0 +1,55 @@
+"""The partition report's figures, table and strict verdict, on placements written by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.backends.partition import (
+    CPU,
+    DELEGATED,
+    UNSUPPORTED,
+    NodePlacement,
+    PartitionSummary,
+    enforce,
+)
+from exporter.config import FallbackConfig, FallbackPolicy
+from exporter.errors import LoweringFailed
+
+UNBACKED = "XNNPACK takes no tensor whose size is data-dependent (unbacked)"
+REFUSED = "invalid dtype"
+
+SUMMARY = PartitionSummary(
+    nodes=(
+        NodePlacement("view_1", "aten.view_copy.default", CPU, UNSUPPORTED, UNBACKED),
+        NodePlacement("view_2", "aten.view_copy.default", CPU, UNSUPPORTED, REFUSED),
+        NodePlacement("view_3", "aten.view_copy.default", CPU, UNSUPPORTED, REFUSED),
+        NodePlacement("linear", "aten.linear.default", "XnnpackBackend", DELEGATED),
+    ),
+    delegates=1,
+)
+
+
+def test_figures_count_compute_nodes_inside_and_outside_the_delegates() -> None:
+    assert (SUMMARY.delegated_nodes, SUMMARY.fallback_op_count) == (1, 3)
+    assert SUMMARY.delegated_fraction == 0.25
+    assert SUMMARY.ops_outside() == {"aten.view_copy.default": 3}
+    assert PartitionSummary.from_json(SUMMARY.to_json()) == SUMMARY
+
+
+def test_the_table_has_one_row_per_place_reason_and_op_and_lists_each_detail() -> None:
+    rows = [line.split() for line in SUMMARY.table().splitlines()]
+    assert rows[1] == ["cpu", "unsupported", "by", "the", "backend", "aten.view_copy.default", "3"]
+    assert rows[2] == ["XnnpackBackend", "delegated", "aten.linear.default", "1"]
+    text = SUMMARY.table()
+    assert f"  {UNBACKED}: aten.view_copy.default" in text
+    assert f"  {REFUSED}: aten.view_copy.default" in text
+
+
+def test_strict_lists_each_op_left_outside_with_its_reason() -> None:
+    enforce(SUMMARY, FallbackConfig(policy=FallbackPolicy.auto), "XNNPACK")
+    with pytest.raises(LoweringFailed) as failure:
+        enforce(SUMMARY, FallbackConfig(policy=FallbackPolicy.strict), "XNNPACK")
+    message = str(failure.value)
+    assert "3 compute nodes would run outside the XNNPACK delegate" in message
+    assert f"aten.view_copy.default x2: {REFUSED}" in message
+    assert f"aten.view_copy.default x1: {UNBACKED}" in message
