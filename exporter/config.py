@@ -159,11 +159,16 @@ class FallbackConfig:
 
 
 def _check_op_name(op: str) -> None:
-    """`fallback.ops` entries name an ATen overload as the partition report prints it."""
-    namespace, _, rest = op.partition(".")
-    name, _, overload = rest.partition(".")
-    packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
-    if not overload or packet is None or overload not in packet.overloads():
+    """`fallback.ops` entries name an operator overload as the partition report prints it.
+
+    ATen names are checked against torch; other namespaces (ExecuTorch's dim_order_ops) exist
+    only once their backend is imported, so only their form is checked here."""
+    namespace, name, overload = ([*op.split("."), "", ""])[:3]
+    known = True
+    if namespace == "aten" and name:
+        packet = getattr(torch.ops.aten, name, None)
+        known = packet is not None and overload in packet.overloads()
+    if op.count(".") != 2 or not (namespace and name and overload) or not known:
         raise ConfigError(
             f"fallback.ops has {op!r}, which is not an operator overload; write it as the "
             "partition report prints ops, namespace.name.overload (aten.nonzero.default)."

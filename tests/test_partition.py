@@ -1,16 +1,20 @@
-"""The partition report's figures, table and strict verdict, on placements written by hand."""
+"""The partition report's figures, table and strict verdict, and the policy's verdict per node."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from exporter.backends.partition import (
     CPU,
     DELEGATED,
+    NAMED,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
+    Policy,
     enforce,
+    op_name,
 )
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
@@ -53,3 +57,17 @@ def test_strict_lists_each_op_left_outside_with_its_reason() -> None:
     assert "3 compute nodes would run outside the XNNPACK delegate" in message
     assert f"aten.view_copy.default x2: {REFUSED}" in message
     assert f"aten.view_copy.default x1: {UNBACKED}" in message
+
+
+def test_a_named_op_covers_the_ops_export_decomposes_it_into() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    traced = torch.export.export(module, (torch.randn(4, 8),))
+    fallback = FallbackConfig(
+        policy=FallbackPolicy.auto, ops=["aten.linear.default", "aten.nonzero.default"]
+    )
+    policy = Policy(fallback, traced)
+    assert policy.unmatched_ops() == {"aten.nonzero.default"}
+    decomposed = traced.run_decompositions().graph.nodes
+    reasons = {op_name(n): policy.reason(n) for n in decomposed if n.op == "call_function"}
+    assert reasons["aten.addmm.default"] == (NAMED, "fallback.ops has aten.linear.default")
+    assert reasons["aten.relu.default"] is None

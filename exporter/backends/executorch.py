@@ -31,8 +31,8 @@ from exporter.backends.partition import (
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
+    Policy,
     op_name,
-    policy_reason,
 )
 from exporter.config import BackendConfig, FallbackConfig
 from exporter.export import Exported
@@ -49,9 +49,9 @@ _XNNPACK_LOGGER = "executorch.backends.xnnpack"
 class PolicyPartitioner(XnnpackPartitioner):
     """XNNPACK's partitioner under a fallback policy; remembers what it left out and why."""
 
-    def __init__(self, fallback: FallbackConfig) -> None:
+    def __init__(self, policy: Policy) -> None:
         super().__init__()
-        self.fallback = fallback
+        self.policy = policy
         # Node name -> size of the block it was in, for blocks under min_block_size.
         self.small_blocks: dict[str, int] = {}
         # Node name -> XNNPACK's reason for refusing it.
@@ -63,7 +63,7 @@ class PolicyPartitioner(XnnpackPartitioner):
         self, check: Callable[[torch.fx.Node, ExportedProgram], bool]
     ) -> Callable[[torch.fx.Node, ExportedProgram], bool]:
         def check_under_policy(node: torch.fx.Node, program: ExportedProgram) -> bool:
-            return policy_reason(node, self.fallback) is None and check(node, program)
+            return self.policy.reason(node) is None and check(node, program)
 
         return check_under_policy
 
@@ -73,7 +73,7 @@ class PolicyPartitioner(XnnpackPartitioner):
         # XNNPACK keeps ops it takes whole (linear) from decomposing, but only a delegate can
         # run them so; a block dropped for its size must fall back to portable kernels, so
         # with min_block_size > 1 everything decomposes first.
-        if self.fallback.min_block_size > 1:
+        if self.policy.fallback.min_block_size > 1:
             return [], None
         return super().ops_to_not_decompose(ep)
 
@@ -81,17 +81,14 @@ class PolicyPartitioner(XnnpackPartitioner):
         # A match also carries the nodes its anchor takes along (the relu fused into a linear);
         # those obey the policy too.
         matches = super().get_matched_nodes_from_configs(ep)
-        kept = [
-            [node for node in match if policy_reason(node, self.fallback) is None]
-            for match in matches
-        ]
+        kept = [[node for node in match if self.policy.reason(node) is None] for match in matches]
         return [match for match in kept if match]
 
     def generate_partitions(self, ep: ExportedProgram) -> list[Partition]:
         kept = []
         for partition in super().generate_partitions(ep):
             compute = [node for node in partition.nodes if node.op == "call_function"]
-            if len(compute) >= self.fallback.min_block_size:
+            if len(compute) >= self.policy.fallback.min_block_size:
                 kept.append(partition)
             else:
                 self.small_blocks.update({node.name: len(compute) for node in compute})
@@ -139,7 +136,14 @@ def lower(
         fallback.ops,
         fallback.min_block_size,
     )
-    partitioner = PolicyPartitioner(fallback)
+    # Read before lowering, which decomposes the program in place.
+    policy = Policy(fallback, exported.program)
+    if policy.unmatched_ops():
+        log.warning(
+            "[lower] fallback.ops names %s, which no op of this program is",
+            ", ".join(sorted(policy.unmatched_ops())),
+        )
+    partitioner = PolicyPartitioner(policy)
     with partitioner.listening():
         edge = to_edge_transform_and_lower(exported.program, partitioner=[partitioner])
     partition = summarize(edge.exported_program().graph_module, partitioner)
@@ -173,14 +177,14 @@ def summarize(
 
 
 def _why_on_cpu(node: torch.fx.Node, partitioner: PolicyPartitioner) -> tuple[str, str]:
-    kept_off = policy_reason(node, partitioner.fallback)
+    kept_off = partitioner.policy.reason(node)
     if kept_off:
         return kept_off
     if node.name in partitioner.small_blocks:
         size = partitioner.small_blocks[node.name]
         return SMALL_BLOCK, (
             f"its block had {size} compute node(s), under "
-            f"fallback.min_block_size={partitioner.fallback.min_block_size}"
+            f"fallback.min_block_size={partitioner.policy.fallback.min_block_size}"
         )
     if not partitioner.supports(node):
         return UNSUPPORTED, "XNNPACK has no kernel for this op"

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.export import ExportedProgram
 
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
@@ -117,36 +118,57 @@ class PartitionSummary:
 
 
 def op_name(node: torch.fx.Node) -> str:
-    """ "aten.view_copy.default": an edge op's __name__ (its `_op` is not always the ATen
-    overload), an ATen overload's str."""
-    if hasattr(node.target, "_op"):
-        return str(node.target.__name__)
-    return str(node.target)
+    """ "aten.view_copy.default", for an ATen overload (str) and an edge op (__name__) alike;
+    both have an `_op`, which is no name."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return str(getattr(node.target, "__name__", node.target))
 
 
-def names_of(node: torch.fx.Node) -> set[str]:
-    """The node's op, and the op it was decomposed from: a user naming aten.linear.default
-    means the addmm that linear became too."""
-    names = {op_name(node)}
-    original = node.meta.get("original_aten")
-    if original is not None:
-        names.add(str(original))
-    return names
+class Policy:
+    """The fallback policy, judged per node of a program being lowered.
+
+    A user naming an op means the op as export traced it: `aten.linear.default` keeps off the
+    addmm that linear decomposes into. Nodes remember the torch call they came from
+    (`torch_fn` metadata), so each call's traced ATen ops are collected before lowering."""
+
+    def __init__(self, fallback: FallbackConfig, traced: ExportedProgram) -> None:
+        self.fallback = fallback
+        self.traced_ops: dict[str, set[str]] = {}
+        for node in traced.graph.nodes:
+            if node.op == "call_function":
+                self.traced_ops.setdefault(_call_of(node), set()).add(op_name(node))
+
+    def names_of(self, node: torch.fx.Node) -> set[str]:
+        return {op_name(node)} | self.traced_ops.get(_call_of(node), set())
+
+    def unmatched_ops(self) -> set[str]:
+        """Names in fallback.ops that no traced op has."""
+        return set(self.fallback.ops) - set().union(*self.traced_ops.values())
+
+    def reason(self, node: torch.fx.Node) -> tuple[str, str] | None:
+        """(reason, detail) where the policy keeps the node off the backend."""
+        named = sorted(self.names_of(node) & set(self.fallback.ops))
+        if named:
+            return NAMED, f"fallback.ops has {named[0]}"
+        if self.fallback.policy is FallbackPolicy.data_dependent and makes_data_dependent_shape(
+            node
+        ):
+            return DATA_DEPENDENT, (
+                "its output size depends on tensor values (fallback=data_dependent)"
+            )
+        return None
+
+
+def _call_of(node: torch.fx.Node) -> str:
+    # ("linear_1", "builtin_function_or_method.linear"): the id of the torch call.
+    torch_fn = node.meta.get("torch_fn")
+    return str(torch_fn[0]) if torch_fn else f"node:{node.name}"
 
 
 def makes_data_dependent_shape(node: torch.fx.Node) -> bool:
     """The node creates a size known only from tensor values (nonzero, x[mask], unique...)."""
     return node.op == "call_function" and bool(node.meta.get("unbacked_bindings"))
-
-
-def policy_reason(node: torch.fx.Node, fallback: FallbackConfig) -> tuple[str, str] | None:
-    """(reason, detail) where the fallback policy keeps the node off the backend."""
-    named = sorted(names_of(node) & set(fallback.ops))
-    if named:
-        return NAMED, f"fallback.ops has {named[0]}"
-    if fallback.policy is FallbackPolicy.data_dependent and makes_data_dependent_shape(node):
-        return DATA_DEPENDENT, "its output size depends on tensor values (fallback=data_dependent)"
-    return None
 
 
 def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:
