@@ -149,6 +149,11 @@ def test_fallback_groups_share_one_vocabulary() -> None:
         composed("fallback.ops=[aten.nonzero.default]", "fallback.min_block_size=3")
     ).fallback
     assert (fallback.ops, fallback.min_block_size) == (["aten.nonzero.default"], 3)
+    # Namespaces a backend brings exist only once it is imported: their form is what is checked.
+    executorch_op = "dim_order_ops._to_dim_order_copy.default"
+    assert config.to_job(composed(f"fallback.ops=[{executorch_op}]")).fallback.ops == [
+        executorch_op
+    ]
 
 
 def test_strict_and_auto_partition_alike_so_they_share_a_lowering() -> None:
