@@ -136,7 +136,7 @@ def lower(
         fallback.ops,
         fallback.min_block_size,
     )
-    # Read before lowering, which decomposes the program in place.
+    # From the program as export traced it, before lowering decomposes its ops.
     policy = Policy(fallback, exported.program)
     if policy.unmatched_ops():
         log.warning(
