@@ -226,14 +226,11 @@ def _export_material(job: config.JobConfig) -> dict[str, Any]:
         "on_failure": job.export.on_failure.value,
         "torch": torch.__version__,
     }
-    checkpoint = getattr(job.model, "checkpoint", None)
-    if checkpoint:
-        # A checkpoint rewritten in place is another model.
-        material["checkpoint_files"] = {
-            str(path.relative_to(checkpoint)): [path.stat().st_size, path.stat().st_mtime_ns]
-            for path in sorted(Path(checkpoint).rglob("*"))
-            if path.is_file()
-        }
+    # A checkpoint or a factory's source rewritten in place is another model.
+    material["model_files"] = {
+        str(path): [path.stat().st_size, path.stat().st_mtime_ns]
+        for path in models.source_files(job.model)
+    }
     return material
 
 

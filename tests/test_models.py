@@ -11,7 +11,7 @@ from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM
 
 from exporter import models
-from exporter.config import DimBounds, LlamaConfig
+from exporter.config import CustomModelConfig, DimBounds, LlamaConfig
 from exporter.errors import ConfigError
 from tests.conftest import CliResult
 
@@ -57,6 +57,32 @@ def test_random_weights_are_seeded() -> None:
     key = "model.model.layers.0.mlp.up_proj.weight"
     assert torch.equal(first[key], again[key])
     assert not torch.equal(first[key], other[key])
+
+
+def test_a_custom_factory_draws_its_random_weights_from_the_model_seed() -> None:
+    def weight(seed: int) -> torch.Tensor:
+        cfg = CustomModelConfig(
+            name="custom", seed=seed, factory="tests.failing_models:fixed_batch"
+        )
+        cfg.options = {"rows": 8}
+        # FixedBatch draws its bias with torch.randn, from the global generator.
+        return models.build(cfg, {"batch": DimBounds(min=1, max=8)}).module.bias
+
+    assert torch.equal(weight(1), weight(1))
+    assert not torch.equal(weight(1), weight(2))
+
+
+def test_files_a_model_is_read_from_key_its_cache_entries(checkpoint, tmp_path: Path) -> None:
+    directory, _ = checkpoint
+    files = models.source_files(small_llama(checkpoint=str(directory)))
+    assert directory / "config.json" in files
+    assert models.source_files(small_llama()) == []
+    by_module = CustomModelConfig(name="custom", factory="tests.failing_models:fixed_batch")
+    assert models.source_files(by_module) == [Path(__file__).with_name("failing_models.py")]
+    script = tmp_path / "mine.py"
+    script.write_text("def declare(): ...\n")
+    by_file = CustomModelConfig(name="custom", factory=f"{script}:declare")
+    assert models.source_files(by_file) == [script]
 
 
 def test_token_ids_are_drawn_in_vocabulary_range() -> None:

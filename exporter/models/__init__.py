@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
 
 from exporter.config import (
     CustomModelConfig,
@@ -25,11 +28,15 @@ _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
     CustomModelConfig: custom.declare,
 }
 
-__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build"]
+__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build", "source_files"]
 
 
 def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
-    declaration = _BUILDERS[type(cfg)](cfg)
+    # Seeded here for every builder, the user's factory too: weights drawn at random are the
+    # same in every process, as the cache and the goldens need.
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        declaration = _BUILDERS[type(cfg)](cfg)
     return ModelBundle(
         name=cfg.name,
         module=declaration.module,
@@ -68,3 +75,14 @@ def _bound_dims(
         axes = tuple(declaration.dim_axes[name])
         dims.append(DynamicDim(name, axes, bounds.min, bounds.max, bounds.mode))
     return tuple(dims)
+
+
+def source_files(cfg: ModelConfig) -> list[Path]:
+    """Files the model is read from besides its config: a checkpoint's, or a custom factory's
+    own source file. A file rewritten in place makes another model."""
+    checkpoint = getattr(cfg, "checkpoint", None)
+    if checkpoint:
+        return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
+    if isinstance(cfg, CustomModelConfig):
+        return [custom.source_file(cfg)]
+    return []

@@ -46,3 +46,14 @@ def _module(where: str, factory: str) -> object:
         return importlib.import_module(where)
     except ImportError as error:
         raise ConfigError(f"model.factory={factory!r}: cannot import {where}: {error}") from error
+
+
+def source_file(cfg: CustomModelConfig) -> Path:
+    """The file the factory is defined in (its imports are not followed)."""
+    where = cfg.factory.rpartition(":")[0]
+    if where.endswith(".py"):
+        return Path(where).resolve()
+    spec = importlib.util.find_spec(where)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"model.factory={cfg.factory!r}: cannot find the source of {where}.")
+    return Path(spec.origin)

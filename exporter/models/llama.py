@@ -54,9 +54,7 @@ def _random_model(cfg: LlamaConfig) -> LlamaForCausalLM:
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        return LlamaForCausalLM(hf_config).eval()
+    return LlamaForCausalLM(hf_config).eval()
 
 
 def _load_checkpoint(directory: Path) -> LlamaForCausalLM:

@@ -31,7 +31,4 @@ class MaskedMlp(torch.nn.Module):
 
 
 def declare(cfg: MaskedConfig) -> ModelDeclaration:
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        module = MaskedMlp(cfg)
-    return declare_over_tokens(module, cfg.features)
+    return declare_over_tokens(MaskedMlp(cfg), cfg.features)

@@ -11,15 +11,13 @@ from exporter.models.bundle import ModelDeclaration
 
 
 def declare(cfg: MlpConfig) -> ModelDeclaration:
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        module = torch.nn.Sequential(
-            torch.nn.Linear(cfg.in_features, cfg.hidden_features),
-            torch.nn.ReLU(),
-            torch.nn.Linear(cfg.hidden_features, cfg.hidden_features),
-            torch.nn.ReLU(),
-            torch.nn.Linear(cfg.hidden_features, cfg.out_features),
-        ).eval()
+    module = torch.nn.Sequential(
+        torch.nn.Linear(cfg.in_features, cfg.hidden_features),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.hidden_features, cfg.hidden_features),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.hidden_features, cfg.out_features),
+    ).eval()
 
     def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(seed)

@@ -41,7 +41,4 @@ class RoutedExperts(torch.nn.Module):
 
 
 def declare(cfg: MoeConfig) -> ModelDeclaration:
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        module = RoutedExperts(cfg)
-    return declare_over_tokens(module, cfg.features)
+    return declare_over_tokens(RoutedExperts(cfg), cfg.features)
