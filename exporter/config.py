@@ -97,13 +97,21 @@ class CustomModelConfig(ModelConfig):
     options: dict[str, Any] = field(default_factory=dict)
 
 
+class Device(Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 @dataclass
 class BackendConfig:
-    """`atol`/`rtol` are the backend's default tolerances; `validate.atol/rtol` override them."""
+    """`atol`/`rtol` are the backend's default tolerances; `validate.atol/rtol` override them.
+    `device` is where the artifact runs; each backend checks it can run there (every backend
+    has the key, so a sweep over backends can set it once)."""
 
     name: str = MISSING
     atol: float = MISSING
     rtol: float = MISSING
+    device: Device = Device.cpu
 
 
 class FallbackPolicy(Enum):

@@ -9,7 +9,6 @@ made them from the same inputs; the run dir gets links to them either way.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import shutil
 import tempfile
@@ -97,6 +96,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     run_dir = record.run_dir
     cache = Cache(Path(job.cache_dir)) if job.cache else None
     with _stage(record, "model", ConfigError):
+        backends.check_target(job)
         bundle = models.build(job.model, job.dynamic)
         # The cache key of the exported program; the goldens' and artifact's keys extend it.
         material = _export_material(job)
@@ -112,7 +112,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
 
     def load() -> Loaded:
         try:
-            return load_runtime(artifact.path, artifact.format)
+            return load_runtime(artifact.path, artifact.format, artifact.device.value)
         except Exception as error:
             raise RuntimeFailed(
                 f"cannot load {artifact.path} ({artifact.format}): {type(error).__name__}: {error}"
@@ -207,7 +207,7 @@ def _lower(
         **export_material,
         "backend": dataclasses.asdict(job.backend),
         "fallback": job.fallback.partitioning(),
-        "executorch": importlib.metadata.version("executorch"),
+        "toolchain": backends.toolchain(job),
     }
     with _built(
         cache, record, "lower", material, lambda out: backends.lower(exported, job, out)

@@ -1,5 +1,5 @@
 """Loaders that run an artifact on its target. Independent of the exporter: a target needs only
-the artifact file, its format, and this package."""
+the artifact file, its format, the device to run it on, and this package."""
 
 from __future__ import annotations
 
@@ -11,31 +11,44 @@ import torch
 
 
 class Loaded(Protocol):
-    """A loaded artifact; `run` may be called many times, with inputs of any in-bound shape."""
+    """A loaded artifact; `run` may be called many times, with inputs of any in-bound shape.
+
+    Inputs and outputs are CPU tensors: a loader on another device copies them, and its `run`
+    returns only once the device has finished."""
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
 
-def _load_pte(path: Path) -> Loaded:
+def _load_pte(path: Path, device: str) -> Loaded:
     from runtimes.executorch import ExecutorchProgram
+
+    if device != "cpu":
+        raise ValueError(f"a .pte of the XNNPACK delegate runs on the CPU, not on {device}")
 
     return ExecutorchProgram(path)
 
 
-def _load_exported_program(path: Path) -> Loaded:
+def _load_exported_program(path: Path, device: str) -> Loaded:
     from runtimes.eager import ExportedProgramModule
 
-    return ExportedProgramModule(path)
+    return ExportedProgramModule(path, device)
+
+
+def _load_aoti_package(path: Path, device: str) -> Loaded:
+    from runtimes.aoti import AotiPackage
+
+    return AotiPackage(path, device)
 
 
 # Imported lazily so a target installs only the runtime its format needs.
-LOADERS: dict[str, Callable[[Path], Loaded]] = {
+LOADERS: dict[str, Callable[[Path, str], Loaded]] = {
     "pte": _load_pte,
     "exported_program": _load_exported_program,
+    "aoti_package": _load_aoti_package,
 }
 
 
-def load(path: Path, format: str) -> Loaded:
+def load(path: Path, format: str, device: str = "cpu") -> Loaded:
     if format not in LOADERS:
         raise ValueError(f"no runtime for format {format!r}; known: {', '.join(LOADERS)}")
-    return LOADERS[format](path)
+    return LOADERS[format](path, device)

@@ -14,18 +14,41 @@ from exporter.errors import ConfigError
 from exporter.export import Exported
 from exporter.files import write_json
 
-__all__ = ["Artifact", "PartitionSummary", "adopt", "check_fallback", "lower", "lowered_in"]
+__all__ = [
+    "Artifact",
+    "PartitionSummary",
+    "adopt",
+    "check_fallback",
+    "check_target",
+    "lower",
+    "lowered_in",
+    "toolchain",
+]
 
-# Each backend module has FORMAT, ARTIFACT_FILE, DELEGATE (None where nothing is delegated) and
+# Each backend module has DELEGATE (its backend id in partition reports; None where nothing is
+# delegated) and
+# check(backend, fallback): raises ConfigError where the two contradict, or this machine lacks
+# what the backend needs;
+# output(backend): the Output (file name, runtime format, device) a config of it makes;
+# toolchain(backend): the versions and device that shape its artifact (part of the cache key);
 # lower(exported, backend, fallback, out_dir), which maps the fallback policy to its own controls.
 # Imported on use: a job pays only for the toolchain of its own backend.
-_BACKENDS = ("eager", "executorch")
+_BACKENDS = ("eager", "executorch", "aoti")
 
 
 def _backend(name: str) -> ModuleType:
     if name not in _BACKENDS:
         raise ConfigError(f"backend.name={name!r} is unknown; allowed: {', '.join(_BACKENDS)}.")
     return importlib.import_module(f"exporter.backends.{name}")
+
+
+def check_target(job: JobConfig) -> None:
+    """Raises ConfigError, before any work, where the backend cannot run on this machine."""
+    _backend(job.backend.name).check(job.backend, job.fallback)
+
+
+def toolchain(job: JobConfig) -> dict[str, str]:
+    return _backend(job.backend.name).toolchain(job.backend)
 
 
 def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
@@ -48,7 +71,8 @@ def lowered_in(folder: Path, job: JobConfig) -> Artifact:
         if partition_path.exists()
         else None
     )
-    return Artifact(path=folder / backend.ARTIFACT_FILE, format=backend.FORMAT, partition=partition)
+    output = backend.output(job.backend)
+    return Artifact.at(folder / output.file, output, partition)
 
 
 def check_fallback(artifact: Artifact, job: JobConfig) -> None:
@@ -59,11 +83,11 @@ def check_fallback(artifact: Artifact, job: JobConfig) -> None:
 
 def adopt(path: Path, job: JobConfig) -> Artifact:
     """A pre-built artifact (`artifact=PATH`) to validate as the backend's own output."""
-    backend = _backend(job.backend.name)
-    expected = Path(backend.ARTIFACT_FILE).suffix
+    output = _backend(job.backend.name).output(job.backend)
+    expected = Path(output.file).suffix
     if path.suffix != expected:
         raise ConfigError(
             f"artifact={path}: backend={job.backend.name} runs {expected} files, "
             f"not {path.suffix!r}."
         )
-    return Artifact(path=path, format=backend.FORMAT, partition=None)
+    return Artifact.at(path, output, partition=None)

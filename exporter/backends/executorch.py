@@ -8,6 +8,7 @@ from the partitioner's "why no partition" debug log while it runs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.fx.passes.infra.partitioner import Partition
 
-from exporter.backends.artifact import Artifact
+from exporter.backends.artifact import Artifact, Output
 from exporter.backends.partition import (
     CPU,
     DELEGATED,
@@ -34,16 +35,32 @@ from exporter.backends.partition import (
     Policy,
     op_name,
 )
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, Device, FallbackConfig
+from exporter.errors import ConfigError
 from exporter.export import Exported
 from exporter.files import atomic_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = "pte"
-ARTIFACT_FILE = "model.pte"
 DELEGATE = "XNNPACK"
 _XNNPACK_LOGGER = "executorch.backends.xnnpack"
+
+
+def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
+    # ExecuTorch itself is one of the project's dependencies; XNNPACK is its CPU delegate.
+    if backend.device is not Device.cpu:
+        raise ConfigError(
+            f"backend=executorch runs XNNPACK on the CPU, not on backend.device="
+            f"{backend.device.value}; allowed: backend.device=cpu."
+        )
+
+
+def output(backend: BackendConfig) -> Output:
+    return Output(file="model.pte", format="pte", device=Device.cpu)
+
+
+def toolchain(backend: BackendConfig) -> dict[str, str]:
+    return {"executorch": importlib.metadata.version("executorch")}
 
 
 class PolicyPartitioner(XnnpackPartitioner):
@@ -149,10 +166,11 @@ def lower(
     partition = summarize(edge.exported_program().graph_module, partitioner)
     log.info("[lower] %s", partition.describe())
     program = edge.to_executorch()
-    path = out_dir / ARTIFACT_FILE
+    target = output(backend)
+    path = out_dir / target.file
     with atomic_path(path) as temporary, temporary.open("wb") as file:
         program.write_to_file(file)
-    return Artifact(path=path, format=FORMAT, partition=partition)
+    return Artifact.at(path, target, partition)
 
 
 def summarize(

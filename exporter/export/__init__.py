@@ -65,8 +65,15 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
         diagnosis, program = diagnose(bundle, example, error)
         if on_failure is ExportFailurePolicy.fail or program is None:
             raise ExportDiagnosed(diagnosis) from error
-        if shapes.narrowed(program, bundle):
-            log.error("[export] export.on_failure=draft: the draft program narrows declared dims")
+        narrowing = shapes.narrowed(program, bundle)
+        if narrowing:
+            log.error(
+                "[export] export.on_failure=draft: the draft program narrows %s",
+                ", ".join(
+                    f"{n.dim.name} (declared {n.dim.min}..{n.dim.max}) to {n.lower}..{n.upper}"
+                    for n in narrowing
+                ),
+            )
             raise ExportDiagnosed(diagnosis) from error
         diagnosis.continued_with_draft = True
         log.warning("[export] %s", diagnosis.text())

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx.experimental.dynamic_spec import ShapesSpec, ShapeVar, TensorSpec
 
 from exporter.config import DimMode
 from exporter.models import DynamicDim, ModelBundle
+
+if TYPE_CHECKING:
+    from torch.fx.experimental.dynamic_spec import ShapesSpec
 
 
 def spec(bundle: ModelBundle, mode: DimMode | None = None) -> Any:
@@ -43,6 +45,9 @@ def _backed(bundle: ModelBundle, dims: list[DynamicDim]) -> tuple[dict[int, Any]
 
 def _unbacked(bundle: ModelBundle, dims: list[DynamicDim]) -> ShapesSpec:
     """ShapesSpec is keyed by forward's parameter names; our inputs are positional, in order."""
+    # Imported here: torch releases before 2.14 lack the module, and backed dims need none of it.
+    from torch.fx.experimental.dynamic_spec import ShapesSpec, ShapeVar, TensorSpec
+
     example = bundle.make_inputs(bundle.max_sizes(), 0)
     parameters = list(inspect.signature(bundle.module.forward).parameters)
     variables = {dim.name: ShapeVar(dim.name, min=dim.min, max=dim.max) for dim in dims}

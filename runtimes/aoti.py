@@ -1,0 +1,45 @@
+"""Runs an AOTInductor package (.pt2) with torch's own loader, on the device it was compiled for."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch._inductor import aoti_load_package
+from torch.utils import _pytree as pytree
+
+# Where the compiler records the package's device in its metadata.
+_DEVICE_KEY = "AOTI_DEVICE_KEY"
+
+
+class AotiPackage:
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        _share_libstdcxx()
+        self._device = torch.device(device)
+        self._model = aoti_load_package(str(path))
+        compiled_for = self._model.get_metadata().get(_DEVICE_KEY, self._device.type)
+        if compiled_for != self._device.type:
+            raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            outputs = self._model(*(x.to(self._device) for x in inputs))
+        # .cpu() waits for the device, so a caller's timing covers the whole computation.
+        return tuple(output.cpu() for output in pytree.tree_leaves(outputs))
+
+
+def _share_libstdcxx() -> None:
+    """A package's wrapper.so does not list libstdc++ among the libraries it needs, so its C++
+    standard-library references bind to whatever the process already exposes. With torch 2.11's
+    CUDA wheels (libtorch built by Red Hat's devtoolset GCC) they bound to libtorch's own copies
+    of std::regex code, mixed with the system libstdc++'s locale facets, and loading crashed with
+    SIGSEGV in the package's parse_device_str. Making the system's libstdc++ global before the
+    load gives the package one consistent C++ runtime; where nothing was wrong, it changes
+    nothing."""
+    if sys.platform == "linux":
+        ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6", mode=os.RTLD_GLOBAL)
