@@ -114,6 +114,47 @@ class BackendConfig:
     device: Device = Device.cpu
 
 
+class TensorrtOutputFormat(Enum):
+    """What torch_tensorrt.save writes: a torch.export program with the engines inside (.ep), an
+    ExecuTorch program with TensorRT delegates (.pte), or an AOTInductor package (.pt2)."""
+
+    exported_program = "exported_program"
+    executorch = "executorch"
+    aot_inductor = "aot_inductor"
+
+
+# CompilationSettings fields the fallback policy owns, and the fallback key that sets each.
+TENSORRT_POLICY_SETTINGS = {
+    "min_block_size": "fallback.min_block_size",
+    "torch_executed_ops": "fallback.ops",
+    "require_full_compilation": "fallback=strict",
+    "fallback_data_dependent_ops": "fallback=data_dependent",
+    "dryrun": "backend.dryrun",
+}
+
+
+@dataclass
+class TensorrtBackendConfig(BackendConfig):
+    """torch-tensorrt's dynamo path on CUDA. `settings` are torch_tensorrt.dynamo.compile's
+    keyword arguments (the fields of its CompilationSettings), checked against the installed
+    release; the fallback policy and `dryrun` set the ones in TENSORRT_POLICY_SETTINGS."""
+
+    output_format: TensorrtOutputFormat = TensorrtOutputFormat.exported_program
+    # Partition only, build no engine: the report says what would run in TensorRT.
+    dryrun: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owned = sorted(self.settings.keys() & TENSORRT_POLICY_SETTINGS.keys())
+        if owned:
+            raise ConfigError(
+                "; ".join(
+                    f"backend.settings.{k} is set by {TENSORRT_POLICY_SETTINGS[k]}" for k in owned
+                )
+                + ". Each is set in one place only: remove it from backend.settings."
+            )
+
+
 class FallbackPolicy(Enum):
     auto = "auto"
     strict = "strict"
@@ -282,6 +323,7 @@ def register_schemas() -> None:
     store.store(group="schema/model", name="masked", node=MaskedConfig)
     store.store(group="schema/model", name="custom", node=CustomModelConfig)
     store.store(group="schema/backend", name="backend", node=BackendConfig)
+    store.store(group="schema/backend", name="tensorrt", node=TensorrtBackendConfig)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)
     store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)

@@ -109,10 +109,13 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
         with _stage(record, "lower", LoweringFailed):
             artifact = _lower(cache, record, job, exported, material)
     record.artifact = artifact
+    if artifact.format is None:
+        log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
+        return
 
     def load() -> Loaded:
         try:
-            return load_runtime(artifact.path, artifact.format, artifact.device.value)
+            return load_runtime(artifact.path, str(artifact.format), artifact.device.value)
         except Exception as error:
             raise RuntimeFailed(
                 f"cannot load {artifact.path} ({artifact.format}): {type(error).__name__}: {error}"
@@ -191,7 +194,7 @@ def _export(
         record.diagnosis = failure.diagnosis
         failure.diagnosis.write(record.run_dir)
         raise
-    exported = export.load(record.run_dir)
+    exported = export.load(record.run_dir, bundle)
     record.diagnosis = exported.diagnosis
     return exported
 

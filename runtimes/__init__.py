@@ -40,11 +40,32 @@ def _load_aoti_package(path: Path, device: str) -> Loaded:
     return AotiPackage(path, device)
 
 
+def _load_tensorrt_program(path: Path, device: str) -> Loaded:
+    from runtimes.tensorrt import TensorrtProgram
+
+    return TensorrtProgram(path, device)
+
+
+def _load_tensorrt_pte(path: Path, device: str) -> Loaded:
+    from runtimes.tensorrt import TensorrtExecutorchProgram
+
+    return TensorrtExecutorchProgram(path, device)
+
+
+def _load_tensorrt_aoti(path: Path, device: str) -> Loaded:
+    from runtimes.tensorrt import tensorrt_aoti_package
+
+    return tensorrt_aoti_package(path, device)
+
+
 # Imported lazily so a target installs only the runtime its format needs.
 LOADERS: dict[str, Callable[[Path, str], Loaded]] = {
     "pte": _load_pte,
     "exported_program": _load_exported_program,
     "aoti_package": _load_aoti_package,
+    "tensorrt_program": _load_tensorrt_program,
+    "tensorrt_pte": _load_tensorrt_pte,
+    "tensorrt_aoti": _load_tensorrt_aoti,
 }
 
 

@@ -33,7 +33,7 @@ __all__ = [
 # toolchain(backend): the versions and device that shape its artifact (part of the cache key);
 # lower(exported, backend, fallback, out_dir), which maps the fallback policy to its own controls.
 # Imported on use: a job pays only for the toolchain of its own backend.
-_BACKENDS = ("eager", "executorch", "aoti")
+_BACKENDS = ("eager", "executorch", "aoti", "tensorrt")
 
 
 def _backend(name: str) -> ModuleType:
@@ -85,6 +85,11 @@ def adopt(path: Path, job: JobConfig) -> Artifact:
     """A pre-built artifact (`artifact=PATH`) to validate as the backend's own output."""
     output = _backend(job.backend.name).output(job.backend)
     expected = Path(output.file).suffix
+    if output.format is None:
+        raise ConfigError(
+            f"artifact={path}: backend={job.backend.name} with these settings makes a report, "
+            "not an artifact to run."
+        )
     if path.suffix != expected:
         raise ConfigError(
             f"artifact={path}: backend={job.backend.name} runs {expected} files, "

@@ -11,7 +11,6 @@ import logging
 import subprocess
 from pathlib import Path
 
-import torch
 from torch._inductor import aoti_compile_and_package
 from torch._inductor.cpp_builder import get_cpp_compiler
 from torch.export.passes import move_to_device_pass
@@ -55,10 +54,8 @@ def lower(
         )
     log.info("[lower] AOTInductor: compiling for %s", device.describe(backend.device))
     program = exported.program
-    if backend.device is Device.cuda:
-        # An indexed device: Inductor asserts that every tensor is on "cuda:0" when the
-        # program's own constants (rotary tables) say so, and "cuda" differs from it.
-        program = move_to_device_pass(program, f"cuda:{torch.cuda.current_device()}")
+    if backend.device is not Device.cpu:
+        program = move_to_device_pass(program, device.indexed(backend.device))
     target = output(backend)
     path = out_dir / target.file
     with atomic_path(path) as temporary:

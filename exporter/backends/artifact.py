@@ -15,15 +15,15 @@ class Output:
     """What a backend writes, as its config asks: the file's name, and how to run it."""
 
     file: str
-    # The key `runtimes.load` dispatches on.
-    format: str
+    # The key `runtimes.load` dispatches on; None for a report with nothing to run (a dry run).
+    format: str | None
     device: Device
 
 
 @dataclass(frozen=True)
 class Artifact:
     path: Path
-    format: str
+    format: str | None
     device: Device
     # None where the backend runs everything itself, or the artifact came pre-built.
     partition: PartitionSummary | None

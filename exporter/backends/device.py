@@ -22,3 +22,11 @@ def describe(device: Device) -> str:
     if device is Device.cuda:
         return f"cuda ({torch.cuda.get_device_name()})"
     return device.value
+
+
+def indexed(device: Device) -> str:
+    """The device with its index, as a program is moved to it: constants that name "cuda:0"
+    (a Llama's rotary tables) must compare equal to it, or Inductor refuses them."""
+    if device is Device.cuda:
+        return f"cuda:{torch.cuda.current_device()}"
+    return device.value

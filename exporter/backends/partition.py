@@ -1,7 +1,8 @@
 """Where each compute node of a lowered program runs and why, and the fallback policy's verdict.
 
-The vocabulary is every backend's: a node runs in a delegate (by its backend id) or on the CPU,
-and a node on the CPU is there because the backend does not support it, because the policy keeps
+The vocabulary is every backend's: a node runs in a delegate (by its backend id) or outside
+every delegate (on the CPU for ExecuTorch, in PyTorch for TensorRT), and a node outside is there
+because the backend does not support it, because the policy keeps
 data-dependent output shapes off the backend, because the user named its op, or because its
 block was smaller than `fallback.min_block_size`.
 """
@@ -31,7 +32,8 @@ SMALL_BLOCK = "block too small"
 class NodePlacement:
     node: str
     op: str
-    # The delegate's backend id, or CPU for a node left on the portable kernels.
+    # The delegate's backend id, or where a node outside runs: CPU for ExecuTorch's portable
+    # kernels.
     placement: str
     reason: str
     # The backend's own words, where it gave some.
@@ -45,7 +47,7 @@ class PartitionSummary:
 
     @property
     def delegated_nodes(self) -> int:
-        return sum(node.placement != CPU for node in self.nodes)
+        return sum(node.reason == DELEGATED for node in self.nodes)
 
     @property
     def delegated_fraction(self) -> float:
@@ -58,21 +60,23 @@ class PartitionSummary:
 
     def ops_outside(self) -> dict[str, int]:
         """Op name -> how many of its nodes stayed outside every delegate, most frequent first."""
-        counts = Counter(node.op for node in self.nodes if node.placement == CPU)
+        counts = Counter(node.op for node in self.nodes if node.reason != DELEGATED)
         return dict(counts.most_common())
 
     def groups(self) -> list[tuple[str, str, str, str, int]]:
-        """(placement, reason, op, detail, nodes), CPU rows first, then by count."""
+        """(placement, reason, op, detail, nodes), rows outside the delegates first, then by
+        count."""
         counts = Counter((n.placement, n.reason, n.op, n.detail) for n in self.nodes)
         rows = [(*key, count) for key, count in counts.items()]
-        return sorted(rows, key=lambda row: (row[0] != CPU, row[1], -row[4], row[2]))
+        return sorted(rows, key=lambda row: (row[1] == DELEGATED, row[1], -row[4], row[2]))
 
     def table(self) -> str:
         """One row per (where, why, op), then the backend's words for each reason given."""
         header = ("runs on", "why", "op", "nodes")
         counts = Counter((n.placement, n.reason, n.op) for n in self.nodes)
         ordered = sorted(
-            counts.items(), key=lambda item: (item[0][0] != CPU, item[0][1], -item[1], item[0][2])
+            counts.items(),
+            key=lambda item: (item[0][1] == DELEGATED, item[0][1], -item[1], item[0][2]),
         )
         rows = [(placement, reason, op, str(n)) for (placement, reason, op), n in ordered]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -81,8 +85,8 @@ class PartitionSummary:
             for row in [header, *rows]
         ]
         ops_by_detail: dict[str, set[str]] = {}
-        for placement, _, op, detail, _ in self.groups():
-            if placement == CPU and detail:
+        for _, reason, op, detail, _ in self.groups():
+            if reason != DELEGATED and detail:
                 ops_by_detail.setdefault(detail, set()).add(op)
         if ops_by_detail:
             lines.append("in detail:")
@@ -177,11 +181,11 @@ def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -
         return
     listing = "\n".join(
         f"  {op} x{count}: {detail or reason}"
-        for placement, reason, op, detail, count in summary.groups()
-        if placement == CPU
+        for _, reason, op, detail, count in summary.groups()
+        if reason != DELEGATED
     )
     raise LoweringFailed(
         f"fallback=strict: {summary.fallback_op_count} compute nodes would run outside the "
         f"{backend} delegate:\n{listing}\n"
-        "Use fallback=auto (or data_dependent) to run them on the portable CPU kernels."
+        "Use fallback=auto (or data_dependent) to let them run outside it."
     )

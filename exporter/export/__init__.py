@@ -42,6 +42,8 @@ class ExportDiagnosed(ExportFailed):
 class Exported:
     program: ExportedProgram
     path: Path
+    # Each input's shapes at the bounds it was exported for: a backend's shape profiles.
+    inputs: tuple[shapes.InputProfile, ...]
     # Set when torch.export failed and the job went on with draft_export's program.
     diagnosis: Diagnosis | None = None
 
@@ -88,10 +90,12 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     path = out_dir / PROGRAM_FILE
     with atomic_path(path) as temporary:
         torch.export.save(program, temporary)
-    return Exported(program=program, path=path, diagnosis=diagnosis)
+    return Exported(program, path, shapes.profiles(bundle), diagnosis)
 
 
-def load(folder: Path) -> Exported:
-    """The program that `run` saved into `folder` (or a copy of it), as `run` returned it."""
+def load(folder: Path, bundle: ModelBundle) -> Exported:
+    """The program that `run` saved into `folder` (or a copy of it) for `bundle`, as `run`
+    returned it."""
     path = folder / PROGRAM_FILE
-    return Exported(program=torch.export.load(path), path=path, diagnosis=Diagnosis.read(folder))
+    program = torch.export.load(path)
+    return Exported(program, path, shapes.profiles(bundle), Diagnosis.read(folder))

@@ -100,3 +100,42 @@ def narrowed(program: ExportedProgram, bundle: ModelBundle) -> list[Narrowing]:
             upper = min(dim.max, int(bounds.upper)) if bounds.upper.is_finite else dim.max
             found.append(Narrowing(dim, lower, upper))
     return found
+
+
+@dataclass(frozen=True)
+class InputProfile:
+    """One input's shapes at the lower and upper bounds of its dims and at a size between them:
+    what an optimization profile (TensorRT's min/opt/max) takes. `dims` names each dynamic axis;
+    a dim shared by several inputs has one name on all of them."""
+
+    name: str
+    dtype: torch.dtype
+    min_shape: tuple[int, ...]
+    opt_shape: tuple[int, ...]
+    max_shape: tuple[int, ...]
+    dims: dict[int, str]
+
+
+def opt_size(dim: DynamicDim) -> int:
+    """The middle of the bounds: strictly between min and max where two sizes lie apart by more
+    than one; a dim of two sizes has nothing between, and takes its max."""
+    if dim.max - dim.min < 2:
+        return dim.max
+    return (dim.min + dim.max) // 2
+
+
+def profiles(bundle: ModelBundle) -> tuple[InputProfile, ...]:
+    low = bundle.make_inputs({dim.name: dim.min for dim in bundle.dims}, 0)
+    middle = bundle.make_inputs({dim.name: opt_size(dim) for dim in bundle.dims}, 0)
+    high = bundle.make_inputs(bundle.max_sizes(), 0)
+    named: dict[str, dict[int, str]] = {name: {} for name in bundle.input_names}
+    for dim in bundle.dims:
+        if not dim.is_static:
+            for input_name, axis in dim.axes:
+                named[input_name][axis] = dim.name
+    return tuple(
+        InputProfile(
+            name, low[i].dtype, *(tuple(x[i].shape) for x in (low, middle, high)), named[name]
+        )
+        for i, name in enumerate(bundle.input_names)
+    )

@@ -1,0 +1,349 @@
+"""TensorRT through torch-tensorrt's dynamo path: the exported program, moved to CUDA, compiled by
+`torch_tensorrt.dynamo.compile` with one optimization profile per input (min/opt/max from the
+declared dims), and written by `torch_tensorrt.save` in `backend.output_format`.
+
+Written against torch-tensorrt 2.14.0, the release built for torch 2.14. TensorRT cannot be
+installed where this project is developed, so the parts that need it (compile, save, load) have
+not run here; everything before them (settings, profiles, checks, the report's parsing) is
+tested without it.
+
+The fallback policy maps onto four CompilationSettings fields (`policy_settings`). Which node
+runs where comes from torch-tensorrt's dry-run report, which it writes for a dry run and logs at
+debug level for every compile; both land in tensorrt_report.txt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import re
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export.passes import move_to_device_pass
+
+from exporter.backends import device
+from exporter.backends.artifact import Artifact, Output
+from exporter.backends.partition import (
+    DATA_DEPENDENT,
+    DELEGATED,
+    NAMED,
+    SMALL_BLOCK,
+    UNSUPPORTED,
+    NodePlacement,
+    PartitionSummary,
+    makes_data_dependent_shape,
+    op_name,
+)
+from exporter.config import (
+    Device,
+    FallbackConfig,
+    FallbackPolicy,
+    TensorrtBackendConfig,
+    TensorrtOutputFormat,
+)
+from exporter.errors import ConfigError, LoweringFailed
+from exporter.export import Exported
+from exporter.export.shapes import InputProfile
+
+log = logging.getLogger(__name__)
+
+DELEGATE = "TensorRT"
+# Where the nodes outside every engine run.
+OUTSIDE = "pytorch"
+REPORT_FILE = "tensorrt_report.txt"
+INSTALL = (
+    "pip install torch-tensorrt==2.14.0, which brings TensorRT 11.1 for CUDA 13 "
+    "(tensorrt-cu13; its libraries download from NVIDIA's index, pypi.nvidia.com)"
+)
+
+_OUTPUTS = {
+    TensorrtOutputFormat.exported_program: ("model.ep", "tensorrt_program"),
+    TensorrtOutputFormat.executorch: ("model.pte", "tensorrt_pte"),
+    TensorrtOutputFormat.aot_inductor: ("model.pt2", "tensorrt_aoti"),
+}
+
+# Settings that releases removed, and what replaced them; named in the error for each.
+_REMOVED = {
+    "enabled_precisions": (
+        "removed in torch-tensorrt 2.13: networks are strongly typed and precision follows the "
+        "model's dtype; for lower precision set backend.settings.enable_autocast=true "
+        "backend.settings.autocast_low_precision_type=float16 (or bfloat16)"
+    ),
+    "use_explicit_typing": "removed in torch-tensorrt 2.13: networks are always strongly typed",
+}
+_AUTOCAST_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# The dry-run report's lines (torch_tensorrt/dynamo/_DryRunTracker.py).
+_ENGINE = re.compile(
+    r"TRT Engine #\d+ - Submodule name: (\S+)\s*\n\s*Engine Inputs:.*\n"
+    r"\s*Number of Operators in Engine: (\d+)"
+)
+_TORCH_NODE = re.compile(r"^Node: (\S+), with layer location: (.+)$", re.MULTILINE)
+_UNSUPPORTED = re.compile(r"listed with their op-count in the graph:\n((?:.+\n)+)")
+_HEADER = "Dry-Run Results for Graph"
+
+
+def output(backend: TensorrtBackendConfig) -> Output:
+    if backend.dryrun:
+        return Output(file=REPORT_FILE, format=None, device=Device.cuda)
+    file, format = _OUTPUTS[backend.output_format]
+    return Output(file=file, format=format, device=Device.cuda)
+
+
+def check(backend: TensorrtBackendConfig, fallback: FallbackConfig) -> None:
+    """Contradictions first (they need nothing installed), then torch-tensorrt and TensorRT,
+    the settings against the installed CompilationSettings, and a CUDA device."""
+    check_policy(backend, fallback)
+    if backend.device is not Device.cuda:
+        raise ConfigError(
+            f"backend=tensorrt runs TensorRT engines on CUDA, not on backend.device="
+            f"{backend.device.value}; allowed: backend.device=cuda."
+        )
+    torch_tensorrt = _import_torch_tensorrt()
+    compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
+    device.require(Device.cuda)
+
+
+def toolchain(backend: TensorrtBackendConfig) -> dict[str, str]:
+    import tensorrt
+
+    return {
+        "torch_tensorrt": importlib.metadata.version("torch-tensorrt"),
+        "tensorrt": tensorrt.__version__,
+        "device": device.describe(Device.cuda),
+    }
+
+
+def check_policy(backend: TensorrtBackendConfig, fallback: FallbackConfig) -> None:
+    """An ExecuTorch program cannot hold an engine whose output shape depends on data, so that
+    format needs those ops in PyTorch (fallback_data_dependent_ops)."""
+    if backend.output_format is not TensorrtOutputFormat.executorch:
+        return
+    if fallback.policy is FallbackPolicy.strict:
+        raise ConfigError(
+            "backend.output_format=executorch runs data-dependent ops outside TensorRT "
+            "(fallback_data_dependent_ops), and fallback=strict requires full compilation "
+            "(require_full_compilation): they contradict. Use fallback=data_dependent, or "
+            "backend.output_format=exported_program with fallback=strict."
+        )
+    if fallback.policy is not FallbackPolicy.data_dependent:
+        raise ConfigError(
+            f"backend.output_format=executorch requires fallback=data_dependent (it is "
+            f"fallback={fallback.policy.value}): ExecuTorch's TensorRT delegate cannot run an "
+            "engine whose output shape depends on tensor values."
+        )
+
+
+def settings_fields() -> set[str]:
+    from torch_tensorrt.dynamo import CompilationSettings
+
+    return {field.name for field in dataclasses.fields(CompilationSettings)}
+
+
+def compile_settings(
+    backend: TensorrtBackendConfig,
+    fallback: FallbackConfig,
+    fields: Collection[str],
+    release: str,
+) -> dict[str, Any]:
+    """The keyword arguments of dynamo.compile: `backend.settings`, every one a field of the
+    installed release's CompilationSettings, and the fallback policy's four."""
+    unknown = sorted(set(backend.settings) - set(fields))
+    if unknown:
+        reasons = [
+            f"backend.settings.{key}: {_REMOVED.get(key, 'no such field')}" for key in unknown
+        ]
+        raise ConfigError(
+            f"{'; '.join(reasons)}. torch-tensorrt {release}'s CompilationSettings has: "
+            f"{', '.join(sorted(fields))}."
+        )
+    settings = {key: _setting(key, value) for key, value in backend.settings.items()}
+    return {**settings, **policy_settings(fallback)}
+
+
+def policy_settings(fallback: FallbackConfig) -> dict[str, Any]:
+    return {
+        "min_block_size": fallback.min_block_size,
+        # torch-tensorrt matches a node's target by its qualified name.
+        "torch_executed_ops": {f"torch.ops.{op}" for op in fallback.ops},
+        "require_full_compilation": fallback.policy is FallbackPolicy.strict,
+        "fallback_data_dependent_ops": fallback.policy is FallbackPolicy.data_dependent,
+    }
+
+
+def _setting(key: str, value: Any) -> Any:
+    if key != "autocast_low_precision_type" or value is None:
+        return value
+    if value not in _AUTOCAST_TYPES:
+        raise ConfigError(
+            f"backend.settings.autocast_low_precision_type is {value!r}; allowed: "
+            f"{', '.join(_AUTOCAST_TYPES)}."
+        )
+    return _AUTOCAST_TYPES[value]
+
+
+def trt_input(profile: InputProfile) -> Any:
+    """torch_tensorrt.Input for one input's profile; dims shared by inputs keep one name."""
+    import torch_tensorrt
+
+    if profile.min_shape == profile.max_shape:
+        return torch_tensorrt.Input(shape=profile.min_shape, dtype=profile.dtype, name=profile.name)
+    return torch_tensorrt.Input(
+        min_shape=profile.min_shape,
+        opt_shape=profile.opt_shape,
+        max_shape=profile.max_shape,
+        dtype=profile.dtype,
+        name=profile.name,
+        shared_dims=profile.dims,
+    )
+
+
+def lower(
+    exported: Exported, backend: TensorrtBackendConfig, fallback: FallbackConfig, out_dir: Path
+) -> Artifact:
+    import torch_tensorrt
+
+    settings = compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
+    inputs = [trt_input(profile) for profile in exported.inputs]
+    report = out_dir / REPORT_FILE
+    log.info(
+        "[lower] TensorRT: torch_tensorrt.dynamo.compile%s with %s",
+        " (dry run)" if backend.dryrun else "",
+        ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
+    )
+    program = move_to_device_pass(exported.program, device.indexed(Device.cuda))
+    with _debug_report() as logged:
+        try:
+            compiled = torch_tensorrt.dynamo.compile(
+                program,
+                arg_inputs=inputs,
+                dryrun=str(report) if backend.dryrun else False,
+                **settings,
+            )
+        except AssertionError as error:
+            if "require_full_compilation" not in str(error):
+                raise
+            raise LoweringFailed(
+                f"fallback=strict: TensorRT cannot run the whole program ({error}). Run "
+                "backend.dryrun=true to see which ops stay outside, or use fallback=auto."
+            ) from error
+    if not backend.dryrun and logged:
+        report.write_text(logged[-1])
+    partition = None
+    if report.exists():
+        partition = partition_of(report.read_text(), fallback, _data_dependent_ops(program))
+        log.info("[lower] %s", partition.describe())
+    else:
+        log.warning("[lower] torch-tensorrt gave no partition report (no op it could convert?)")
+    target = output(backend)
+    if backend.dryrun:
+        return Artifact.at(report, target, partition)
+    path = out_dir / target.file
+    # out_dir is a staging folder nobody reads before lowering returns, so save writes in place
+    # (the executorch format puts sidecar files beside the .pte under the same name).
+    extra = (
+        {"pickle_protocol": 4}
+        if backend.output_format is TensorrtOutputFormat.exported_program
+        else {}
+    )
+    torch_tensorrt.save(
+        compiled,
+        str(path),
+        output_format=backend.output_format.value,
+        arg_inputs=inputs,
+        retrace=True,
+        **extra,
+    )
+    return Artifact.at(path, target, partition)
+
+
+def partition_of(
+    report: str, fallback: FallbackConfig, data_dependent_ops: Collection[str]
+) -> PartitionSummary:
+    """Where each node runs, from a dry-run report. The report counts each engine's ops without
+    naming them, so delegated nodes are named by their engine; nodes left in PyTorch are named
+    by their layer location, with the policy's reason or the report's."""
+    unsupported: set[str] = set()
+    block = _UNSUPPORTED.search(report)
+    if block:
+        unsupported = {line.strip().rsplit(": ", 1)[0] for line in block.group(1).splitlines()}
+    nodes = [
+        NodePlacement(node=engine, op="(an op in the engine)", placement=DELEGATE, reason=DELEGATED)
+        for engine, count in _ENGINE.findall(report)
+        for _ in range(int(count))
+    ]
+    for target, location in _TORCH_NODE.findall(report):
+        op = target.removeprefix("torch.ops.")
+        if op in fallback.ops:
+            reason, detail = NAMED, f"fallback.ops has {op}"
+        elif fallback.policy is FallbackPolicy.data_dependent and op in data_dependent_ops:
+            reason = DATA_DEPENDENT
+            detail = "its output size depends on tensor values (fallback=data_dependent)"
+        elif target in unsupported:
+            reason, detail = UNSUPPORTED, "no TensorRT converter takes it"
+        else:
+            reason = SMALL_BLOCK
+            detail = "supported, but the partitioner left it out of every engine (min_block_size)"
+        nodes.append(NodePlacement(location.strip(), op, OUTSIDE, reason, detail))
+    return PartitionSummary(nodes=tuple(nodes), delegates=len(_ENGINE.findall(report)))
+
+
+def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
+    return {op_name(node) for node in program.graph.nodes if makes_data_dependent_shape(node)}
+
+
+@contextmanager
+def _debug_report() -> Iterator[list[str]]:
+    """Collects the partition report that torch-tensorrt logs at debug level when it is not a
+    dry run."""
+    logger = logging.getLogger("torch_tensorrt.dynamo._DryRunTracker")
+    reports: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if _HEADER in message:
+                reports.append(message)
+
+    handler, level, propagate = Collect(logging.DEBUG), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    # The report is for the file, not the job's log.
+    logger.propagate = False
+    try:
+        yield reports
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _import_torch_tensorrt() -> Any:
+    """torch_tensorrt, or a ConfigError saying what is missing and how to install it."""
+    try:
+        import torch_tensorrt
+    except ModuleNotFoundError as error:
+        if error.name != "torch_tensorrt":
+            raise _missing_tensorrt(error) from error
+        raise ConfigError(
+            f"backend=tensorrt needs torch-tensorrt, which is not installed here: {INSTALL}. "
+            "Other backends need neither: backend=aoti backend.device=cuda compiles for the GPU "
+            "with PyTorch alone."
+        ) from None
+    except Exception as error:
+        # Without TensorRT's libraries torch-tensorrt's import raises a bare Exception.
+        raise _missing_tensorrt(error) from error
+    return torch_tensorrt
+
+
+def _missing_tensorrt(error: Exception) -> ConfigError:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"backend=tensorrt: torch-tensorrt is installed, but TensorRT is not ({first_line}). "
+        f"Install it: {INSTALL}."
+    )
