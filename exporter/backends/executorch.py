@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.fx.passes.infra.partitioner import Partition
 
 from exporter.backends.artifact import Artifact, Output
+from exporter.backends.debug_log import captured
 from exporter.backends.partition import (
     CPU,
     DELEGATED,
@@ -117,27 +118,10 @@ class PolicyPartitioner(XnnpackPartitioner):
     @contextmanager
     def listening(self) -> Iterator[None]:
         """Collects XNNPACK's WhyNoPartition messages, logged at DEBUG, while partitioning."""
-        partitioner_log = logging.getLogger(_XNNPACK_LOGGER)
-        handler = _RefusalHandler(self.refusals)
-        level, propagate = partitioner_log.level, partitioner_log.propagate
-        partitioner_log.addHandler(handler)
-        partitioner_log.setLevel(logging.DEBUG)
-        # Kept from the job's log: the partition report says it once, per node.
-        partitioner_log.propagate = False
-        try:
+        with captured(_XNNPACK_LOGGER, self._note_refusal):
             yield
-        finally:
-            partitioner_log.removeHandler(handler)
-            partitioner_log.setLevel(level)
-            partitioner_log.propagate = propagate
 
-
-class _RefusalHandler(logging.Handler):
-    def __init__(self, refusals: dict[str, str]) -> None:
-        super().__init__(logging.DEBUG)
-        self.refusals = refusals
-
-    def emit(self, record: logging.LogRecord) -> None:
+    def _note_refusal(self, record: logging.LogRecord) -> None:
         # WhyNoPartition is logged as the object itself and reused: read it now.
         why = record.msg
         if isinstance(why, WhyNoPartition) and why.node is not None:

@@ -18,8 +18,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import re
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch.export.passes import move_to_device_pass
 
 from exporter.backends import device
 from exporter.backends.artifact import Artifact, Output
+from exporter.backends.debug_log import captured
 from exporter.backends.partition import (
     DATA_DEPENDENT,
     DELEGATED,
@@ -86,6 +86,7 @@ _ENGINE = re.compile(
 _TORCH_NODE = re.compile(r"^Node: (\S+), with layer location: (.+)$", re.MULTILINE)
 _UNSUPPORTED = re.compile(r"listed with their op-count in the graph:\n((?:.+\n)+)")
 _HEADER = "Dry-Run Results for Graph"
+_DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
 
 
 def output(backend: TensorrtBackendConfig) -> Output:
@@ -217,7 +218,14 @@ def lower(
         ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
     )
     program = move_to_device_pass(exported.program, device.indexed(Device.cuda))
-    with _debug_report() as logged:
+    # Without a dry run, torch-tensorrt logs its partition report at DEBUG only.
+    logged: list[str] = []
+
+    def keep_report(record: logging.LogRecord) -> None:
+        if _HEADER in record.getMessage():
+            logged.append(record.getMessage())
+
+    with captured(_DRYRUN_LOGGER, keep_report):
         try:
             compiled = torch_tensorrt.dynamo.compile(
                 program,
@@ -295,32 +303,6 @@ def partition_of(
 
 def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
     return {op_name(node) for node in program.graph.nodes if makes_data_dependent_shape(node)}
-
-
-@contextmanager
-def _debug_report() -> Iterator[list[str]]:
-    """Collects the partition report that torch-tensorrt logs at debug level when it is not a
-    dry run."""
-    logger = logging.getLogger("torch_tensorrt.dynamo._DryRunTracker")
-    reports: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if _HEADER in message:
-                reports.append(message)
-
-    handler, level, propagate = Collect(logging.DEBUG), logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    # The report is for the file, not the job's log.
-    logger.propagate = False
-    try:
-        yield reports
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
 
 
 def _import_torch_tensorrt() -> Any:
