@@ -152,16 +152,20 @@ class Policy:
 
     def reason(self, node: torch.fx.Node) -> tuple[str, str] | None:
         """(reason, detail) where the policy keeps the node off the backend."""
-        named = sorted(self.names_of(node) & set(self.fallback.ops))
-        if named:
-            return NAMED, f"fallback.ops has {named[0]}"
-        if self.fallback.policy is FallbackPolicy.data_dependent and makes_data_dependent_shape(
-            node
-        ):
-            return DATA_DEPENDENT, (
-                "its output size depends on tensor values (fallback=data_dependent)"
-            )
-        return None
+        return policy_reason(self.names_of(node), makes_data_dependent_shape(node), self.fallback)
+
+
+def policy_reason(
+    names: set[str], data_dependent: bool, fallback: FallbackConfig
+) -> tuple[str, str] | None:
+    """(reason, detail) where the policy keeps an op off the backend, for a backend that knows
+    the op by `names` and whether its output size depends on tensor values."""
+    named = sorted(names & set(fallback.ops))
+    if named:
+        return NAMED, f"fallback.ops has {named[0]}"
+    if fallback.policy is FallbackPolicy.data_dependent and data_dependent:
+        return DATA_DEPENDENT, "its output size depends on tensor values (fallback=data_dependent)"
+    return None
 
 
 def _call_of(node: torch.fx.Node) -> str:

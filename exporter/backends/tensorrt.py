@@ -29,15 +29,14 @@ from exporter.backends import device
 from exporter.backends.artifact import Artifact, Output
 from exporter.backends.debug_log import captured
 from exporter.backends.partition import (
-    DATA_DEPENDENT,
     DELEGATED,
-    NAMED,
     SMALL_BLOCK,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
     makes_data_dependent_shape,
     op_name,
+    policy_reason,
 )
 from exporter.config import (
     Device,
@@ -287,16 +286,11 @@ def partition_of(
     ]
     for target, location in _TORCH_NODE.findall(report):
         op = target.removeprefix("torch.ops.")
-        if op in fallback.ops:
-            reason, detail = NAMED, f"fallback.ops has {op}"
-        elif fallback.policy is FallbackPolicy.data_dependent and op in data_dependent_ops:
-            reason = DATA_DEPENDENT
-            detail = "its output size depends on tensor values (fallback=data_dependent)"
-        elif target in unsupported:
-            reason, detail = UNSUPPORTED, "no TensorRT converter takes it"
-        else:
-            reason = SMALL_BLOCK
-            detail = "supported, but the partitioner left it out of every engine (min_block_size)"
+        reason, detail = (
+            policy_reason({op}, op in data_dependent_ops, fallback)
+            or ((UNSUPPORTED, "no TensorRT converter takes it") if target in unsupported else None)
+            or (SMALL_BLOCK, "supported, but left out of every engine (min_block_size)")
+        )
         nodes.append(NodePlacement(location.strip(), op, OUTSIDE, reason, detail))
     return PartitionSummary(nodes=tuple(nodes), delegates=len(_ENGINE.findall(report)))
 
