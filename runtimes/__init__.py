@@ -20,10 +20,9 @@ class Loaded(Protocol):
 
 
 def _load_pte(path: Path, device: str) -> Loaded:
-    from runtimes.executorch import ExecutorchProgram
-
     if device != "cpu":
         raise ValueError(f"a .pte of the XNNPACK delegate runs on the CPU, not on {device}")
+    from runtimes.executorch import ExecutorchProgram
 
     return ExecutorchProgram(path)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 from torch._inductor import aoti_load_package
-from torch.utils import _pytree as pytree
+
+from runtimes import on_device
 
 # Where the compiler records the package's device in its metadata.
 _DEVICE_KEY = "AOTI_DEVICE_KEY"
@@ -27,10 +28,7 @@ class AotiPackage:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():
-            outputs = self._model(*(x.to(self._device) for x in inputs))
-        # .cpu() waits for the device, so a caller's timing covers the whole computation.
-        return tuple(output.cpu() for output in pytree.tree_leaves(outputs))
+        return on_device.call(self._model, inputs, self._device)
 
 
 def _share_libstdcxx() -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 from torch.export.passes import move_to_device_pass
-from torch.utils import _pytree as pytree
+
+from runtimes import on_device
 
 
 class ExportedProgramModule:
@@ -19,7 +20,4 @@ class ExportedProgramModule:
         self._module = program.module()
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():
-            outputs = self._module(*(x.to(self._device) for x in inputs))
-        # .cpu() waits for the device, so a caller's timing covers the whole computation.
-        return tuple(output.cpu() for output in pytree.tree_leaves(outputs))
+        return on_device.call(self._module, inputs, self._device)

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.utils import _pytree as pytree
 
+from runtimes import on_device
 from runtimes.aoti import AotiPackage
 
 
@@ -25,9 +25,7 @@ class TensorrtProgram:
         self._module = torch_tensorrt.load(str(path)).module()
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():
-            outputs = self._module(*(x.to(self._device) for x in inputs))
-        return tuple(output.cpu() for output in pytree.tree_leaves(outputs))
+        return on_device.call(self._module, inputs, self._device)
 
 
 class TensorrtExecutorchProgram:
