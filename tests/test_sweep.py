@@ -105,6 +105,8 @@ def test_the_plots_and_report_are_on_the_parent_run(failing_sweep: SweepResult) 
     }
 
 
+# About 85 s each: parallel jobs on 2 cores, each exporting and lowering.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("launcher", "jobs"),
     [
