@@ -88,6 +88,35 @@ class MaskedConfig(ModelConfig):
     hidden_features: int = MISSING
 
 
+class ToyKind(Enum):
+    """The toy models of exporter/models/toys.py, each one op pattern; conf/model/<kind>.yaml."""
+
+    rms_norm = "rms_norm"
+    rms_norm_chain = "rms_norm_chain"
+    rms_norm_residual = "rms_norm_residual"
+    rms_norm_gated = "rms_norm_gated"
+    linear = "linear"
+    gqa_attention = "gqa_attention"
+    embedding = "embedding"
+    rotary = "rotary"
+
+
+@dataclass
+class ToyConfig(ModelConfig):
+    """A toy model isolating one op pattern, picked by `kind`; each toy reads the shape fields
+    it needs and ignores the others."""
+
+    kind: ToyKind = MISSING
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    vocab: int = 100
+    out_features: int = 48
+    eps: float = 1e-6
+    max_positions: int = 128
+
+
 @dataclass
 class CustomModelConfig(ModelConfig):
     """Your own model: `factory` is "package.module:function" or "path/to/file.py:function",
@@ -322,6 +351,7 @@ def register_schemas() -> None:
     store.store(group="schema/model", name="moe", node=MoeConfig)
     store.store(group="schema/model", name="masked", node=MaskedConfig)
     store.store(group="schema/model", name="custom", node=CustomModelConfig)
+    store.store(group="schema/model", name="toy", node=ToyConfig)
     store.store(group="schema/backend", name="backend", node=BackendConfig)
     store.store(group="schema/backend", name="tensorrt", node=TensorrtBackendConfig)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)

@@ -15,9 +15,10 @@ from exporter.config import (
     MlpConfig,
     ModelConfig,
     MoeConfig,
+    ToyConfig,
 )
 from exporter.errors import ConfigError
-from exporter.models import custom, llama, masked, mlp, moe
+from exporter.models import custom, llama, masked, mlp, moe, toys
 from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
 
 _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
@@ -26,6 +27,7 @@ _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
     MoeConfig: moe.declare,
     MaskedConfig: masked.declare,
     CustomModelConfig: custom.declare,
+    ToyConfig: toys.declare,
 }
 
 __all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build", "source_files"]
