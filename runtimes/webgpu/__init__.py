@@ -1,0 +1,1 @@
+"""Run ExecuTorch programs lowered for WebGPU (VulkanBackend payloads) without executorch."""
