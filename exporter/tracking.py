@@ -202,6 +202,7 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     if summary.cache_hits:
         tags["cache_hit"] = str(any(summary.cache_hits.values())).lower()
         tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in summary.cache_hits.items()})
+    tags.update({f"target.{key}": value for key, value in summary.target.items()})
     if summary.export_failures:
         tags["export.failure_kinds"] = ",".join(summary.export_failures)
     if summary.draft:

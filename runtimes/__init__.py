@@ -14,7 +14,8 @@ class Loaded(Protocol):
     """A loaded artifact; `run` may be called many times, with inputs of any in-bound shape.
 
     Inputs and outputs are CPU tensors: a loader on another device copies them, and its `run`
-    returns only once the device has finished."""
+    returns only once the device has finished. A runtime that picks its device itself (a wgpu
+    adapter) also says what it picked in `target`, a mapping of names to values."""
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
@@ -57,6 +58,12 @@ def _load_tensorrt_aoti(path: Path, device: str) -> Loaded:
     return tensorrt_aoti_package(path, device)
 
 
+def _load_webgpu_pte(path: Path, device: str) -> Loaded:
+    from runtimes.webgpu.program import WebgpuProgram
+
+    return WebgpuProgram(path, device)
+
+
 # Imported lazily so a target installs only the runtime its format needs.
 LOADERS: dict[str, Callable[[Path, str], Loaded]] = {
     "pte": _load_pte,
@@ -65,6 +72,7 @@ LOADERS: dict[str, Callable[[Path, str], Loaded]] = {
     "tensorrt_program": _load_tensorrt_program,
     "tensorrt_pte": _load_tensorrt_pte,
     "tensorrt_aoti": _load_tensorrt_aoti,
+    "webgpu_pte": _load_webgpu_pte,
 }
 
 

@@ -51,6 +51,8 @@ class JobSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     # Per cached stage: whether its work came from the cache.
     cache_hits: dict[str, bool] = field(default_factory=dict)
+    # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
+    target: dict[str, str] = field(default_factory=dict)
     # Per size of the first dynamic dim (`dim`), smallest first: the worst error and latency.
     dim: str | None = None
     sizes: list[int] = field(default_factory=list)
@@ -80,6 +82,7 @@ class JobSummary:
             summary.draft = record.diagnosis.continued_with_draft
         if record.report:
             results = record.report.by_shape()
+            summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.latency_at_min_ms = results[0].latency_ms

@@ -65,7 +65,8 @@ def run(
                 "ok" if execution.passed else "FAIL",
             )
             bar.update()
-    return Report(atol, rtol, bundle.output_names, tuple(shapes), tuple(executions))
+    target = getattr(instance, "target", {})
+    return Report(atol, rtol, bundle.output_names, tuple(shapes), tuple(executions), target)
 
 
 def _execute(

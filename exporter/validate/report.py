@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
@@ -45,6 +46,8 @@ class Report:
     output_names: tuple[str, ...]
     shapes: tuple[LiveShape, ...]
     executions: tuple[Execution, ...]
+    # What the loaded artifact ran on, as its runtime names it (a wgpu adapter's name).
+    target: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -93,6 +96,7 @@ class Report:
                 "atol": self.atol,
                 "rtol": self.rtol,
                 "outputs": list(self.output_names),
+                "target": dict(self.target),
                 "shapes": [
                     {
                         "shape": result.shape,

@@ -1,0 +1,193 @@
+"""Runs a .pte whose delegates are VulkanBackend payloads: the program's instructions in order,
+CPU kernels through PyTorch, each delegate call on the WebGPU device.
+
+Every op this runtime cannot run, on the CPU or the GPU, is refused when the program loads,
+and every input is checked against the upper bound the program was planned for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtimes.webgpu import adapter
+from runtimes.webgpu.cpu_kernels import CpuKernel, resolve
+from runtimes.webgpu.delegate import DelegateGraph
+from runtimes.webgpu.kernels.base import Gpu, UnsupportedOp
+from runtimes.webgpu.pte_file import (
+    DelegateCall,
+    ExecutionPlan,
+    FreeCall,
+    IntList,
+    JumpFalseCall,
+    KernelCall,
+    MoveCall,
+    OptionalTensorList,
+    TensorList,
+    TensorValue,
+    read_pte,
+)
+from runtimes.webgpu.vulkan_payload import read_vulkan_payload
+
+BACKEND_ID = "VulkanBackend"
+# Tensors the GPU holds as float32 or int32: what a delegate is given, whatever the host dtype.
+_GPU_DTYPE = {torch.float32: torch.float32, torch.int64: torch.int32, torch.int32: torch.int32}
+
+
+class InputOutOfBounds(ValueError):
+    pass
+
+
+class WebgpuProgram:
+    """A loaded program; `run` may be called with inputs of any shape within its bounds."""
+
+    def __init__(self, path: Path, device: str = "auto", method: str = "forward") -> None:
+        pte = read_pte(path)
+        plans = {plan.name: plan for plan in pte.plans}
+        if method not in plans:
+            raise ValueError(f"{path}: no method {method!r}; it has {', '.join(plans)}")
+        self.plan: ExecutionPlan = plans[method]
+        refused = self._refused_ops()
+        if refused:
+            raise UnsupportedOp(
+                f"{path}: this runtime cannot run {'; '.join(refused)}; nothing was run"
+            )
+        chosen = adapter.choose(device)
+        self.adapter = adapter.info(chosen)
+        self.target = {
+            "adapter": self.adapter.name,
+            "adapter_backend": self.adapter.backend,
+            "adapter_type": self.adapter.kind,
+        }
+        limits = chosen.limits
+        gpu = Gpu(
+            chosen.request_device_sync(
+                required_limits={
+                    "max-storage-buffer-binding-size": limits["max-storage-buffer-binding-size"],
+                    "max-buffer-size": limits["max-buffer-size"],
+                }
+            )
+        )
+        self.delegates = [
+            DelegateGraph(gpu, read_vulkan_payload(d.payload), pte.named_data)
+            for d in self.plan.delegates
+        ]
+        self.kernels: list[CpuKernel] = [
+            resolve(op.name, op.overload) for op in self.plan.operators
+        ]
+        self.values: list[Any] = [_initial(value) for value in self.plan.values]
+
+    def _refused_ops(self) -> list[str]:
+        refused = []
+        for delegate in self.plan.delegates:
+            if delegate.backend_id != BACKEND_ID:
+                refused.append(f"a {delegate.backend_id} delegate (only {BACKEND_ID})")
+        for op in self.plan.operators:
+            try:
+                resolve(op.name, op.overload)
+            except UnsupportedOp as error:
+                refused.append(f"CPU op {error}")
+        return refused
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if len(inputs) != len(self.plan.inputs):
+            raise InputOutOfBounds(
+                f"the program takes {len(self.plan.inputs)} inputs, not {len(inputs)}"
+            )
+        for position, (index, given) in enumerate(zip(self.plan.inputs, inputs, strict=True)):
+            planned = self.plan.values[index]
+            if isinstance(planned, TensorValue):
+                _check_input(position, planned, given)
+                given = given.to(planned.dtype)
+            self.values[index] = given
+        self._walk()
+        return tuple(_owned(self.values[index]) for index in self.plan.outputs)
+
+    def _walk(self) -> None:
+        instructions = self.plan.instructions
+        pc = 0
+        while pc < len(instructions):
+            instruction = instructions[pc]
+            pc += 1
+            if isinstance(instruction, KernelCall):
+                self._call_kernel(instruction)
+            elif isinstance(instruction, DelegateCall):
+                self._call_delegate(instruction)
+            elif isinstance(instruction, MoveCall):
+                self.values[instruction.move_to] = self.values[instruction.move_from]
+            elif isinstance(instruction, JumpFalseCall):
+                if not self.values[instruction.cond_value_index]:
+                    pc = instruction.destination_instruction
+            elif isinstance(instruction, FreeCall):
+                continue
+
+    def _argument(self, index: int) -> Any:
+        value = self.plan.values[index]
+        if isinstance(value, IntList):
+            return [self.values[i] for i in value.value_indices]
+        if isinstance(value, TensorList):
+            return [self.values[i] for i in value.value_indices]
+        if isinstance(value, OptionalTensorList):
+            return [None if i < 0 else self.values[i] for i in value.value_indices]
+        return self.values[index]
+
+    def _call_kernel(self, call: KernelCall) -> None:
+        kernel = self.kernels[call.op_index]
+        args = [self._argument(index) for index in call.args]
+        results = kernel(args)
+        for index, result in zip(call.args[len(call.args) - len(results) :], results, strict=True):
+            self.values[index] = result
+
+    def _call_delegate(self, call: DelegateCall) -> None:
+        delegate = self.delegates[call.delegate_index]
+        count = len(delegate.input_ids)
+        inputs = []
+        for index in call.args[:count]:
+            value = self.values[index]
+            if isinstance(value, torch.Tensor):
+                value = value.to(_GPU_DTYPE.get(value.dtype, torch.int32))
+            inputs.append(value)
+        outputs = delegate.execute(inputs)
+        for index, output in zip(call.args[count:], outputs, strict=True):
+            planned = self.plan.values[index]
+            if isinstance(planned, TensorValue) and isinstance(output, torch.Tensor):
+                output = output.to(planned.dtype)
+            self.values[index] = output
+
+
+def _initial(value: Any) -> Any:
+    """A value's state before the first run: constants as tensors, planned tensors empty."""
+    if isinstance(value, TensorValue):
+        if value.constant is not None:
+            flat = torch.frombuffer(bytearray(value.constant), dtype=value.dtype)
+            return flat.reshape(value.sizes)
+        return torch.empty(value.sizes, dtype=value.dtype)
+    return value
+
+
+def _check_input(position: int, planned: TensorValue, given: torch.Tensor) -> None:
+    bound = list(planned.sizes)
+    shape = list(given.shape)
+    if len(shape) != len(bound):
+        raise InputOutOfBounds(
+            f"input {position} has rank {len(shape)} ({shape}); the program takes rank "
+            f"{len(bound)} ({bound} at most)"
+        )
+    over = [d for d, (size, top) in enumerate(zip(shape, bound, strict=True)) if size > top]
+    if planned.shape_dynamism == 0 and shape != bound:
+        raise InputOutOfBounds(
+            f"input {position} has shape {shape}; the program was exported with it static at "
+            f"{bound}"
+        )
+    if over:
+        raise InputOutOfBounds(
+            f"input {position} has shape {shape}: dim {over[0]} is {shape[over[0]]}, above its "
+            f"upper bound {bound[over[0]]}; the program was planned for at most {bound}"
+        )
+
+
+def _owned(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
