@@ -60,6 +60,16 @@ class DelegateGraph:
             self.ops.append(kernels.build(gpu, call.name, [self.values[a] for a in call.args]))
         self.input_ids = graph.input_ids
         self.output_ids = graph.output_ids
+        # Where outputs are copied to be read on the host: one mappable buffer per output
+        # tensor, sized at its upper bound like the tensor itself.
+        self.staging = {
+            value_id: gpu.device.create_buffer(
+                size=self.values[value_id].buffer.size,
+                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+            )
+            for value_id in self.output_ids
+            if isinstance(self.values[value_id], GpuTensor)
+        }
 
     def _values(self, graph: VkGraph, named_data: Mapping[str, bytes]) -> list[Any]:
         slot_bytes: dict[int, int] = {}
@@ -131,18 +141,25 @@ class DelegateGraph:
         for op in self.ops:
             op.encode(compute_pass)
         compute_pass.end()
+        for value_id, staging in self.staging.items():
+            tensor = self.values[value_id]
+            if tensor.numel:
+                encoder.copy_buffer_to_buffer(tensor.buffer, 0, staging, 0, tensor.numel * 4)
         self.gpu.device.queue.submit([encoder.finish()])
-        return [self._read(self.values[value_id]) for value_id in self.output_ids]
+        return [self._read(value_id) for value_id in self.output_ids]
 
-    def _read(self, value: Any) -> torch.Tensor | int:
+    def _read(self, value_id: int) -> torch.Tensor | int:
+        value = self.values[value_id]
         if isinstance(value, SymInt):
             return value.value
-        nbytes = value.numel * 4
-        if nbytes == 0:
-            array = np.zeros(value.dims, dtype=_NUMPY[value.wgsl])
-        else:
-            data = self.gpu.device.queue.read_buffer(value.buffer, 0, nbytes)
-            array = np.frombuffer(data, dtype=_NUMPY[value.wgsl]).reshape(value.dims)
+        array = np.zeros(value.dims, dtype=_NUMPY[value.wgsl])
+        if value.numel:
+            staging = self.staging[value_id]
+            # Mapping waits for the submitted work: the outputs are final once it returns.
+            staging.map_sync(wgpu.MapMode.READ, 0, value.numel * 4)
+            data = staging.read_mapped(0, value.numel * 4)
+            staging.unmap()
+            array = np.frombuffer(data, dtype=array.dtype).reshape(value.dims)
         return torch.from_numpy(array.copy())
 
 

@@ -33,8 +33,6 @@ from runtimes.webgpu.pte_file import (
 from runtimes.webgpu.vulkan_payload import read_vulkan_payload
 
 BACKEND_ID = "VulkanBackend"
-# Tensors the GPU holds as float32 or int32: what a delegate is given, whatever the host dtype.
-_GPU_DTYPE = {torch.float32: torch.float32, torch.int64: torch.int32, torch.int32: torch.int32}
 
 
 class InputOutOfBounds(ValueError):
@@ -148,7 +146,8 @@ class WebgpuProgram:
         for index in call.args[:count]:
             value = self.values[index]
             if isinstance(value, torch.Tensor):
-                value = value.to(_GPU_DTYPE.get(value.dtype, torch.int32))
+                # The GPU holds float32 or int32 (ints, and bools as 0 or 1).
+                value = value.to(torch.float32 if value.is_floating_point() else torch.int32)
             inputs.append(value)
         outputs = delegate.execute(inputs)
         for index, output in zip(call.args[count:], outputs, strict=True):

@@ -170,13 +170,18 @@ class Dispatch:
         self.bind_group = gpu.device.create_bind_group(
             layout=self.pipeline.get_bind_group_layout(0), entries=entries
         )
+        # The parameters last written: a run at the same shapes writes none again.
+        self.written: bytes | None = None
 
     def record(
         self, compute_pass: wgpu.GPUComputePassEncoder, params: Params, grid: Sequence[int]
     ) -> None:
         if math.prod(grid) == 0:
             return
-        self.gpu.device.queue.write_buffer(self.uniforms, 0, params.to_bytes())
+        data = params.to_bytes()
+        if data != self.written:
+            self.gpu.device.queue.write_buffer(self.uniforms, 0, data)
+            self.written = data
         compute_pass.set_pipeline(self.pipeline)
         compute_pass.set_bind_group(0, self.bind_group)
         compute_pass.dispatch_workgroups(*grid)
