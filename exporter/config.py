@@ -127,8 +127,13 @@ class CustomModelConfig(ModelConfig):
 
 
 class Device(Enum):
+    """Where an artifact runs. PyTorch's devices: cpu, cuda. wgpu's adapter choice (webgpu):
+    auto (a discrete GPU first, lavapipe last), gpu (hardware only), cpu (a software GPU)."""
+
     cpu = "cpu"
     cuda = "cuda"
+    gpu = "gpu"
+    auto = "auto"
 
 
 @dataclass

@@ -94,7 +94,7 @@ def test_unknown_backend_lists_the_available_ones() -> None:
     with pytest.raises(MissingConfigException) as error:
         composed("backend=tflite")
     assert "backend/tflite" in str(error.value)
-    assert error.value.options == ["aoti", "eager", "executorch", "tensorrt"]
+    assert error.value.options == ["aoti", "eager", "executorch", "tensorrt", "webgpu"]
 
 
 def test_a_bound_the_model_does_not_use_is_an_error() -> None:

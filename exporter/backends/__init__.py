@@ -33,7 +33,7 @@ __all__ = [
 # toolchain(backend): the versions and device that shape its artifact (part of the cache key);
 # lower(exported, backend, fallback, out_dir), which maps the fallback policy to its own controls.
 # Imported on use: a job pays only for the toolchain of its own backend.
-_BACKENDS = ("eager", "executorch", "aoti", "tensorrt")
+_BACKENDS = ("eager", "executorch", "aoti", "tensorrt", "webgpu")
 
 
 def _backend(name: str) -> ModuleType:

@@ -9,6 +9,12 @@ from exporter.errors import ConfigError
 
 
 def require(device: Device) -> None:
+    """For the backends that run in PyTorch, on one of its devices."""
+    if device in (Device.gpu, Device.auto):
+        raise ConfigError(
+            f"backend.device={device.value} picks a wgpu adapter, which only backend=webgpu "
+            "does; allowed here: backend.device=cpu or cuda."
+        )
     if device is Device.cuda and not torch.cuda.is_available():
         raise ConfigError(
             "backend.device=cuda, but torch sees no CUDA device on this machine "

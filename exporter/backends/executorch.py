@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -131,8 +132,41 @@ class PolicyPartitioner(XnnpackPartitioner):
 def lower(
     exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
+    partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
+    return lowered_to_pte(
+        exported,
+        partitioner,
+        lambda node: _why_on_cpu(node, partitioner),
+        output(backend),
+        out_dir,
+    )
+
+
+def lowered_to_pte(
+    exported: Exported,
+    partitioner: Any,
+    why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
+    target: Output,
+    out_dir: Path,
+) -> Artifact:
+    """Lowers with `partitioner` (its `listening()` context open) and writes the .pte; the
+    partition report places every node, with `why_on_cpu` for the nodes left out."""
+    with partitioner.listening():
+        edge = to_edge_transform_and_lower(exported.program, partitioner=[partitioner])
+    partition = summarize(edge.exported_program().graph_module, why_on_cpu)
+    log.info("[lower] %s", partition.describe())
+    program = edge.to_executorch()
+    path = out_dir / target.file
+    with atomic_path(path) as temporary, temporary.open("wb") as file:
+        program.write_to_file(file)
+    return Artifact.at(path, target, partition)
+
+
+def announced_policy(partitioner: str, fallback: FallbackConfig, exported: Exported) -> Policy:
+    """The policy of an ExecuTorch lowering, logged, with a warning for ops it names in vain."""
     log.info(
-        "[lower] ExecuTorch: XNNPACK partitioner (fallback=%s, ops=%s, min_block_size=%d)",
+        "[lower] ExecuTorch: %s partitioner (fallback=%s, ops=%s, min_block_size=%d)",
+        partitioner,
         fallback.policy.value,
         fallback.ops,
         fallback.min_block_size,
@@ -144,23 +178,14 @@ def lower(
             "[lower] fallback.ops names %s, which no op of this program is",
             ", ".join(sorted(policy.unmatched_ops())),
         )
-    partitioner = PolicyPartitioner(policy)
-    with partitioner.listening():
-        edge = to_edge_transform_and_lower(exported.program, partitioner=[partitioner])
-    partition = summarize(edge.exported_program().graph_module, partitioner)
-    log.info("[lower] %s", partition.describe())
-    program = edge.to_executorch()
-    target = output(backend)
-    path = out_dir / target.file
-    with atomic_path(path) as temporary, temporary.open("wb") as file:
-        program.write_to_file(file)
-    return Artifact.at(path, target, partition)
+    return policy
 
 
 def summarize(
-    graph_module: torch.fx.GraphModule, partitioner: PolicyPartitioner
+    graph_module: torch.fx.GraphModule, why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]]
 ) -> PartitionSummary:
-    """Places every compute node, inside a delegate (by backend id) or on the CPU, with why."""
+    """Places every compute node, inside a delegate (by backend id) or on the CPU, with why:
+    `why_on_cpu` gives the (reason, detail) of a node the partitioner left out."""
     nodes: list[NodePlacement] = []
     delegates = 0
     for node in graph_module.graph.nodes:
@@ -170,10 +195,10 @@ def summarize(
             nodes.extend(
                 NodePlacement(inner.name, op_name(inner), lowered.backend_id, DELEGATED)
                 for inner in lowered.original_module.graph.nodes
-                if _is_compute(inner)
+                if is_compute(inner)
             )
-        elif _is_compute(node):
-            reason, detail = _why_on_cpu(node, partitioner)
+        elif is_compute(node):
+            reason, detail = why_on_cpu(node)
             nodes.append(NodePlacement(node.name, op_name(node), CPU, reason, detail))
     return PartitionSummary(nodes=tuple(nodes), delegates=delegates)
 
@@ -204,7 +229,7 @@ def _touches_unbacked_size(node: torch.fx.Node) -> bool:
     )
 
 
-def _is_compute(node: torch.fx.Node) -> bool:
+def is_compute(node: torch.fx.Node) -> bool:
     """An operator call that produces tensors; getitem, delegate calls and size math are not."""
     if node.op != "call_function" or not hasattr(node.target, "_schema"):
         return False

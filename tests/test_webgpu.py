@@ -1,0 +1,191 @@
+"""backend=webgpu: ExecuTorch's WebGPU lowering, run by runtimes/webgpu on a real wgpu device
+(Mesa's lavapipe here: apt-get install mesa-vulkan-drivers).
+
+The fast tests lower toy models in-process; the slow one runs every toy, mlp and llama through
+the CLI, as a user would, and checks each passed at every planned live shape."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from exporter import backends, config, export, models, validate
+from exporter.backends import Artifact
+from exporter.config import ToyKind
+from exporter.errors import ConfigError
+from exporter.models import ModelBundle
+from exporter.validate import goldens
+from exporter.validate.plan import plan
+from runtimes.webgpu import adapter
+from runtimes.webgpu.kernels.base import UnsupportedOp
+from runtimes.webgpu.kernels.reduction import Reduction
+from runtimes.webgpu.program import InputOutOfBounds, WebgpuProgram
+from tests.conftest import CONF_DIR, SweepResult, run_sweep
+
+
+@cache
+def composed(*overrides: str) -> config.JobConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return config.to_job(compose("config", overrides=["backend=webgpu", *overrides]))
+
+
+def lowered(out_dir: Path, *overrides: str) -> tuple[ModelBundle, Artifact]:
+    job = composed(*overrides)
+    bundle = models.build(job.model, job.dynamic)
+    exported = export.run(bundle, job.export.on_failure, out_dir)
+    return bundle, backends.lower(exported, job, out_dir)
+
+
+@pytest.fixture(scope="module")
+def rms_norm(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelBundle, Artifact]:
+    return lowered(tmp_path_factory.mktemp("rms_norm"), "model=rms_norm")
+
+
+def eager(bundle: ModelBundle, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return bundle.module(*inputs)
+
+
+def test_one_loaded_program_follows_shrinking_and_growing_shapes(
+    rms_norm: tuple[ModelBundle, Artifact],
+) -> None:
+    bundle, artifact = rms_norm
+    program = WebgpuProgram(artifact.path, "cpu")
+    assert program.target["adapter_type"] == "CPU"
+    for seq in (128, 1, 77, 2, 128, 33):
+        inputs = bundle.make_inputs({"seq": seq}, seq)
+        (got,) = program.run(inputs)
+        want = eager(bundle, inputs)
+        assert got.shape == want.shape == (1, seq, 64)
+        assert (got - want).abs().max().item() < 1e-5
+
+
+def test_with_one_resize_rule_disabled_validation_fails_below_the_bound_only(
+    rms_norm: tuple[ModelBundle, Artifact], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundle, artifact = rms_norm
+
+    def keep_upper_bound(op: Reduction) -> None:
+        op.out.set_dims(op.out.max_dims, op.name)
+
+    monkeypatch.setattr(Reduction, "resize", keep_upper_bound)
+    shapes = plan(bundle.dims, [], 2, 0)
+    report = validate.run(
+        bundle,
+        lambda: WebgpuProgram(artifact.path, "cpu"),
+        shapes,
+        goldens.compute(bundle, shapes, 0),
+        1e-4,
+        1e-3,
+    )
+    failed = sorted(result.shape["seq"] for result in report.failures())
+    assert failed == sorted(shape["seq"] for shape in shapes if shape["seq"] < 128)
+    assert len(failed) == len(shapes) - 1
+    assert [r.passed for r in report.by_shape() if r.shape["seq"] == 128] == [True]
+
+
+def test_an_input_above_its_bound_is_refused_with_the_bound(
+    rms_norm: tuple[ModelBundle, Artifact],
+) -> None:
+    bundle, artifact = rms_norm
+    program = WebgpuProgram(artifact.path, "cpu")
+    with pytest.raises(InputOutOfBounds, match=r"dim 1 is 129, above its upper bound 128"):
+        program.run(bundle.make_inputs({"seq": 129}, 0))
+    with pytest.raises(InputOutOfBounds, match=r"rank 2 .* rank 3"):
+        program.run((torch.randn(4, 64),))
+
+
+def test_an_op_without_a_kernel_is_refused_when_the_program_loads(tmp_path: Path) -> None:
+    from executorch.backends.webgpu.partitioner import WebGPUPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    class Gelu(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x)
+
+    program = torch.export.export(Gelu(), (torch.randn(4, 8),))
+    edge = to_edge_transform_and_lower(program, partitioner=[WebGPUPartitioner()])
+    path = tmp_path / "gelu.pte"
+    path.write_bytes(edge.to_executorch().buffer)
+    with pytest.raises(UnsupportedOp, match=r"no kernel for aten\.gelu\.default"):
+        WebgpuProgram(path, "cpu")
+
+
+def test_ops_kept_off_by_the_policy_run_on_the_cpu_between_delegates(tmp_path: Path) -> None:
+    bundle, artifact = lowered(
+        tmp_path, "model=rms_norm_residual", "fallback.ops=[aten.add.Tensor]"
+    )
+    assert artifact.partition is not None
+    assert artifact.partition.ops_outside() == {"aten.add.Tensor": 1}
+    program = WebgpuProgram(artifact.path, "cpu")
+    for seq in (5, 128):
+        inputs = bundle.make_inputs({"seq": seq}, 1)
+        (got,) = program.run(inputs)
+        assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
+
+
+def test_the_device_must_be_a_wgpu_adapter_choice() -> None:
+    with pytest.raises(ConfigError, match=r"allowed: backend\.device=auto, gpu or cpu"):
+        backends.check_target(composed("model=mlp", "backend.device=cuda"))
+    with pytest.raises(ConfigError, match="only backend=webgpu"):
+        backends.check_target(composed("model=mlp", "backend=eager", "backend.device=gpu"))
+
+
+def test_gpu_without_a_hardware_gpu_is_a_configuration_error() -> None:
+    if any(found.kind != "CPU" for found in adapter.available()):
+        pytest.skip("this machine has a hardware GPU")
+    with pytest.raises(ConfigError, match="finds no adapter for device=gpu"):
+        backends.check_target(composed("model=mlp", "backend.device=gpu"))
+
+
+MODELS = [kind.value for kind in ToyKind] + ["mlp", "llama"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
+    workdir = tmp_path_factory.mktemp("webgpu_sweep")
+    return run_sweep(
+        workdir,
+        workdir / "sweep",
+        f"model={','.join(MODELS)}",
+        "backend=webgpu",
+        "backend.device=cpu",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_passes_at_every_live_shape_on_lavapipe(
+    sweep: SweepResult, model: str
+) -> None:
+    (job_dir,) = sweep.sweep_dir.glob(f"*-{model}-webgpu")
+    report = json.loads((job_dir / "report.json").read_text())
+    assert report["passed"], sweep.output[-3000:]
+    assert len(report["shapes"]) == 7
+    # Every shape ran twice on the one loaded program, then once more on a fresh one.
+    instances = [e["instance"] for e in report["executions"]]
+    assert instances.count("reused") == 13 and instances.count("fresh") == 1
+    assert report["target"]["adapter_type"] == "CPU"
+    assert "llvmpipe" in report["target"]["adapter"]
+    partition = json.loads((job_dir / "partition.json").read_text())
+    if model == "llama":
+        assert partition["delegated_fraction"] >= 0.8
+    elif model != "gqa_attention":
+        assert partition["delegated_fraction"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_sweep_logs_the_adapter_as_tags(sweep: SweepResult) -> None:
+    assert sweep.exit_code == 0, sweep.output[-3000:]
+    _, children = sweep.parent_and_children()
+    assert len(children) == len(MODELS)
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["target.adapter_backend"] == "Vulkan"
+        assert run.data.tags["target.adapter_type"] == "CPU"
+
