@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from runtimes.webgpu import adapter
+from runtimes.webgpu import adapter, kernels
 from runtimes.webgpu.cpu_kernels import CpuKernel, resolve
-from runtimes.webgpu.delegate import DelegateGraph
+from runtimes.webgpu.delegate import ALIASES, DelegateGraph
 from runtimes.webgpu.kernels.base import Gpu, UnsupportedOp
 from runtimes.webgpu.pte_file import (
     DelegateCall,
@@ -30,7 +30,7 @@ from runtimes.webgpu.pte_file import (
     TensorValue,
     read_pte,
 )
-from runtimes.webgpu.vulkan_payload import read_vulkan_payload
+from runtimes.webgpu.vulkan_payload import VkGraph, read_vulkan_payload
 
 BACKEND_ID = "VulkanBackend"
 
@@ -48,7 +48,12 @@ class WebgpuProgram:
         if method not in plans:
             raise ValueError(f"{path}: no method {method!r}; it has {', '.join(plans)}")
         self.plan: ExecutionPlan = plans[method]
-        refused = self._refused_ops()
+        graphs = [
+            read_vulkan_payload(d.payload)
+            for d in self.plan.delegates
+            if d.backend_id == BACKEND_ID
+        ]
+        refused = self._refused_ops(graphs)
         if refused:
             raise UnsupportedOp(
                 f"{path}: this runtime cannot run {'; '.join(refused)}; nothing was run"
@@ -69,20 +74,25 @@ class WebgpuProgram:
                 }
             )
         )
-        self.delegates = [
-            DelegateGraph(gpu, read_vulkan_payload(d.payload), pte.named_data)
-            for d in self.plan.delegates
-        ]
+        self.delegates = [DelegateGraph(gpu, graph, pte.named_data) for graph in graphs]
         self.kernels: list[CpuKernel] = [
             resolve(op.name, op.overload) for op in self.plan.operators
         ]
         self.values: list[Any] = [_initial(value) for value in self.plan.values]
 
-    def _refused_ops(self) -> list[str]:
+    def _refused_ops(self, graphs: Sequence[VkGraph]) -> list[str]:
+        """Everything in the program this runtime has no kernel for, found before any work."""
         refused = []
         for delegate in self.plan.delegates:
             if delegate.backend_id != BACKEND_ID:
                 refused.append(f"a {delegate.backend_id} delegate (only {BACKEND_ID})")
+        gpu_ops = {call.name for graph in graphs for call in graph.chain}
+        missing = sorted(gpu_ops - set(kernels.BUILDERS) - set(ALIASES))
+        if missing:
+            refused.append(
+                f"GPU op(s) {', '.join(missing)}: no kernel for them in runtimes/webgpu/kernels "
+                "(lower with them kept off the delegate: fallback.ops)"
+            )
         for op in self.plan.operators:
             try:
                 resolve(op.name, op.overload)
