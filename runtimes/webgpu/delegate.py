@@ -34,6 +34,8 @@ from runtimes.webgpu.vulkan_payload import SymInt as VkSymInt
 # int64), bools are stored one per 32-bit word.
 _WGSL = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "i32"}
 _NUMPY = {"f32": np.float32, "i32": np.int32}
+# Offsets into a mapped buffer must be multiples of 8; 256 keeps each output's copy aligned too.
+_MAP_ALIGNMENT = 256
 # Ops that only repack a constant for the native runtime's texture layouts; here the constant's
 # buffer already is the packed form, so their output is that buffer.
 ALIASES = ("et_vk.prepack.default",)
@@ -51,16 +53,19 @@ class DelegateGraph:
             self.ops.append(kernels.build(gpu, call.name, [self.values[a] for a in call.args]))
         self.input_ids = graph.input_ids
         self.output_ids = graph.output_ids
-        # Where outputs are copied to be read on the host: one mappable buffer per output
-        # tensor, sized at its upper bound like the tensor itself.
-        self.staging = {
-            value_id: gpu.device.create_buffer(
-                size=self.values[value_id].buffer.size,
-                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
-            )
-            for value_id in self.output_ids
-            if isinstance(self.values[value_id], GpuTensor)
-        }
+        # Where outputs are copied to be read on the host: one mappable buffer for all of
+        # them, each at its own offset, sized at its upper bound like the tensor itself; one
+        # map per execute.
+        self.staging_offsets: dict[int, int] = {}
+        size = 0
+        for value_id in self.output_ids:
+            if isinstance(self.values[value_id], GpuTensor):
+                self.staging_offsets[value_id] = size
+                size += -(-self.values[value_id].buffer.size // _MAP_ALIGNMENT) * _MAP_ALIGNMENT
+        self.staging = gpu.device.create_buffer(
+            size=max(size, _MAP_ALIGNMENT),
+            usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+        )
 
     def _values(self, graph: VkGraph, named_data: Mapping[str, bytes]) -> list[Any]:
         slot_bytes: dict[int, int] = {}
@@ -132,12 +137,19 @@ class DelegateGraph:
         for op in self.ops:
             op.encode(compute_pass)
         compute_pass.end()
-        for value_id, staging in self.staging.items():
+        for value_id, offset in self.staging_offsets.items():
             tensor = self.values[value_id]
             if tensor.numel:
-                encoder.copy_buffer_to_buffer(tensor.buffer, 0, staging, 0, tensor.numel * 4)
+                encoder.copy_buffer_to_buffer(
+                    tensor.buffer, 0, self.staging, offset, tensor.numel * 4
+                )
         self.gpu.device.queue.submit([encoder.finish()])
-        return [self._read(value_id) for value_id in self.output_ids]
+        # Mapping waits for the submitted work: the outputs are final once it returns.
+        self.staging.map_sync(wgpu.MapMode.READ)
+        try:
+            return [self._read(value_id) for value_id in self.output_ids]
+        finally:
+            self.staging.unmap()
 
     def _read(self, value_id: int) -> torch.Tensor | int:
         value = self.values[value_id]
@@ -145,11 +157,7 @@ class DelegateGraph:
             return value.value
         array = np.zeros(value.dims, dtype=_NUMPY[value.wgsl])
         if value.numel:
-            staging = self.staging[value_id]
-            # Mapping waits for the submitted work: the outputs are final once it returns.
-            staging.map_sync(wgpu.MapMode.READ, 0, value.numel * 4)
-            data = staging.read_mapped(0, value.numel * 4)
-            staging.unmap()
+            data = self.staging.read_mapped(self.staging_offsets[value_id], value.numel * 4)
             array = np.frombuffer(data, dtype=array.dtype).reshape(value.dims)
         return torch.from_numpy(array.copy())
 
