@@ -35,9 +35,10 @@ def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
     try:
         adapter.choose(backend.device.value)
     except adapter.NoAdapter as error:
+        # A machine without the GPU asked for is the user's news, not a bug: no traceback.
         raise ConfigError(
             f"backend=webgpu backend.device={backend.device.value}: {error}"
-        ) from error
+        ) from None
 
 
 def output(backend: BackendConfig) -> Output:

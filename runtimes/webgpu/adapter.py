@@ -70,7 +70,7 @@ def choose(device: str) -> wgpu.GPUAdapter:
                 "On a machine without a GPU, Mesa's lavapipe is one: "
                 "apt-get install mesa-vulkan-drivers."
                 if device != "gpu"
-                else "Use device=cpu for lavapipe, or install the GPU's Vulkan driver."
+                else "cpu picks lavapipe, a software GPU; a hardware GPU needs its Vulkan driver."
             )
         )
     return min(candidates, key=lambda a: _PREFERENCE.index(info(a).kind))
