@@ -129,6 +129,20 @@ def test_ops_kept_off_by_the_policy_run_on_the_cpu_between_delegates(tmp_path: P
         assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
 
 
+def test_a_block_under_min_block_size_stays_on_the_cpu_whole(tmp_path: Path) -> None:
+    bundle, artifact = lowered(tmp_path, "model=rms_norm_residual", "fallback.min_block_size=8")
+    assert artifact.partition is not None
+    assert artifact.partition.delegates == 0
+    assert artifact.partition.delegated_nodes == 0
+    details = {node.detail for node in artifact.partition.nodes}
+    assert details == {"its block had 7 compute node(s), under fallback.min_block_size=8"}
+    program = WebgpuProgram(artifact.path, "cpu")
+    assert program.delegates == []
+    inputs = bundle.make_inputs({"seq": 9}, 2)
+    (got,) = program.run(inputs)
+    assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
+
+
 def test_the_device_must_be_a_wgpu_adapter_choice() -> None:
     with pytest.raises(ConfigError, match=r"allowed: backend\.device=auto, gpu or cpu"):
         backends.check_target(composed("model=mlp", "backend.device=cuda"))

@@ -30,7 +30,6 @@ from exporter.backends.debug_log import captured
 from exporter.backends.partition import (
     CPU,
     DELEGATED,
-    SMALL_BLOCK,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
@@ -209,10 +208,7 @@ def _why_on_cpu(node: torch.fx.Node, partitioner: PolicyPartitioner) -> tuple[st
         return kept_off
     if node.name in partitioner.small_blocks:
         size = partitioner.small_blocks[node.name]
-        return SMALL_BLOCK, (
-            f"its block had {size} compute node(s), under "
-            f"fallback.min_block_size={partitioner.policy.fallback.min_block_size}"
-        )
+        return partitioner.policy.small_block(size)
     if not partitioner.supports(node):
         return UNSUPPORTED, "XNNPACK has no kernel for this op"
     if _touches_unbacked_size(node):

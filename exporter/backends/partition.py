@@ -154,6 +154,13 @@ class Policy:
         """(reason, detail) where the policy keeps the node off the backend."""
         return policy_reason(self.names_of(node), makes_data_dependent_shape(node), self.fallback)
 
+    def small_block(self, size: int) -> tuple[str, str]:
+        """(reason, detail) of a node whose block of `size` compute nodes was too small."""
+        return SMALL_BLOCK, (
+            f"its block had {size} compute node(s), under "
+            f"fallback.min_block_size={self.fallback.min_block_size}"
+        )
+
 
 def policy_reason(
     names: set[str], data_dependent: bool, fallback: FallbackConfig

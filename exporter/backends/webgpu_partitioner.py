@@ -20,7 +20,7 @@ from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
 
 from exporter.backends.executorch import is_compute
-from exporter.backends.partition import SMALL_BLOCK, UNSUPPORTED, Policy, op_name
+from exporter.backends.partition import UNSUPPORTED, Policy, op_name
 
 # The partitioner logs each node it refuses to the root logger, at INFO.
 _REFUSAL = re.compile(
@@ -96,10 +96,7 @@ class PolicyPartitioner(Partitioner):
         if kept_off:
             return kept_off
         if node.name in self.small_blocks:
-            return SMALL_BLOCK, (
-                f"its block had {self.small_blocks[node.name]} compute node(s), under "
-                f"fallback.min_block_size={self.policy.fallback.min_block_size}"
-            )
+            return self.policy.small_block(self.small_blocks[node.name])
         name = op_name(node)
         reasons = self.refusals.get(name, set()) | self.refusals.get(
             name.removeprefix("aten."), set()
