@@ -17,7 +17,6 @@ import wgpu
 from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
-    UnsupportedOp,
     contiguous_strides,
     live,
     tensor_arg,
@@ -209,7 +208,4 @@ class Elementwise(GpuOp):
         self.dispatch.record(compute_pass, dims, operands, scalars)
 
 
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name not in RULES:
-        raise UnsupportedOp(name)
-    return Elementwise(gpu, name, args)
+OPS: dict[str, type[GpuOp]] = dict.fromkeys(RULES, Elementwise)

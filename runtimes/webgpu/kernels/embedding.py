@@ -66,10 +66,4 @@ class Embedding(GpuOp):
         self.dispatch.record(compute_pass, params, (*grid_1d(groups), 1) if groups else (0, 0, 0))
 
 
-NAMES = ("aten.embedding.default",)
-
-
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name not in NAMES:
-        raise UnsupportedOp(name)
-    return Embedding(gpu, name, args)
+OPS: dict[str, type[GpuOp]] = {"aten.embedding.default": Embedding}

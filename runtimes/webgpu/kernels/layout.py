@@ -17,7 +17,6 @@ from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
     GpuTensor,
-    UnsupportedOp,
     contiguous_strides,
     live,
     tensor_arg,
@@ -212,12 +211,6 @@ _COPIES: dict[str, type[StridedCopy]] = {
     "aten.slice_copy.Tensor": Slice,
     "aten.select_copy.int": Select,
 }
-NAMES = (*_COPIES, "aten.cat.default")
 
 
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name == "aten.cat.default":
-        return Cat(gpu, name, args)
-    if name not in _COPIES:
-        raise UnsupportedOp(name)
-    return _COPIES[name](gpu, name, args)
+OPS: dict[str, type[GpuOp]] = {**_COPIES, "aten.cat.default": Cat}

@@ -140,10 +140,6 @@ class Matmul(GpuOp):
         return float(alpha), float(beta)
 
 
-NAMES = ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default")
-
-
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name not in NAMES:
-        raise UnsupportedOp(name)
-    return Matmul(gpu, name, args)
+OPS: dict[str, type[GpuOp]] = dict.fromkeys(
+    ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"), Matmul
+)

@@ -128,7 +128,6 @@ _OPS: dict[str, tuple[str, int | None, int | None]] = {
     "aten.sum.dim_IntList": ("sum", 1, 2),
     "aten.amax.default": ("amax", 1, 2),
 }
-NAMES = tuple(_OPS)
 
 
 class Reduction(GpuOp):
@@ -174,7 +173,4 @@ class Reduction(GpuOp):
         self.dispatch.record(compute_pass, params, (*grid_1d(rows), 1) if rows else (0, 0, 0))
 
 
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name not in _OPS:
-        raise UnsupportedOp(name)
-    return Reduction(gpu, name, args)
+OPS: dict[str, type[GpuOp]] = dict.fromkeys(_OPS, Reduction)

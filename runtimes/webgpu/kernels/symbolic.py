@@ -39,10 +39,6 @@ class SymbolOp(GpuOp):
         return
 
 
-NAMES = ("sym_size.int", "sym_numel.default", *_ARITHMETIC)
-
-
-def build(gpu: Gpu, name: str, args: Sequence[Any]) -> GpuOp:
-    if name not in NAMES:
-        raise UnsupportedOp(name)
-    return SymbolOp(gpu, name, args)
+OPS: dict[str, type[GpuOp]] = dict.fromkeys(
+    ("sym_size.int", "sym_numel.default", *_ARITHMETIC), SymbolOp
+)
