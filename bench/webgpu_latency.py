@@ -52,11 +52,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
+    config.register_schemas()
     with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base="1.3"):
         job = config.to_job(compose("config", overrides=args.overrides))
     bundle = models.build(job.model, job.dynamic)
     module = bundle.module.to(args.torch_device)
-    program = load(args.program, "webgpu_pte", args.device)
+    program = load(args.program, "webgpu", args.device)
     print(f"webgpu adapter: {program.target}; eager on {args.torch_device}")
 
     def eager(inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -14,9 +14,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from exporter import pipeline, sweep
+from exporter import config, pipeline, sweep
 from exporter.config import PROJECT_ROOT
 from exporter.errors import ConfigError
+
+config.register_schemas()
 
 # Exit codes of the jobs run in this process; Hydra drops a job's return value.
 _exit_codes: list[int] = []

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -126,66 +125,28 @@ class CustomModelConfig(ModelConfig):
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class Device(Enum):
-    """Where an artifact runs. PyTorch's devices: cpu, cuda. wgpu's adapter choice (webgpu):
-    auto (a discrete GPU first, lavapipe last), gpu (hardware only), cpu (a software GPU)."""
-
-    cpu = "cpu"
-    cuda = "cuda"
-    gpu = "gpu"
-    auto = "auto"
-
-
 @dataclass
 class BackendConfig:
-    """`atol`/`rtol` are the backend's default tolerances; `validate.atol/rtol` override them.
-    `device` is where the artifact runs; each backend checks it can run there (every backend
-    has the key, so a sweep over backends can set it once)."""
+    """What every backend has; each backend module subclasses it with its own defaults and
+    settings (exporter/backends/). `atol`/`rtol` are the backend's default tolerances, which
+    `validate.atol/rtol` override; `device` is where the artifact runs, one of the backend's
+    `devices` (every backend has the key, so a sweep over backends can set it once)."""
+
+    # The devices this backend's artifact runs on: PyTorch's (cpu, cuda), or a wgpu adapter
+    # choice for backend=webgpu (auto, gpu, cpu).
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     name: str = MISSING
     atol: float = MISSING
     rtol: float = MISSING
-    device: Device = Device.cpu
-
-
-class TensorrtOutputFormat(Enum):
-    """What torch_tensorrt.save writes: a torch.export program with the engines inside (.ep), an
-    ExecuTorch program with TensorRT delegates (.pte), or an AOTInductor package (.pt2)."""
-
-    exported_program = "exported_program"
-    executorch = "executorch"
-    aot_inductor = "aot_inductor"
-
-
-# CompilationSettings fields the fallback policy owns, and the fallback key that sets each.
-TENSORRT_POLICY_SETTINGS = {
-    "min_block_size": "fallback.min_block_size",
-    "torch_executed_ops": "fallback.ops",
-    "require_full_compilation": "fallback=strict",
-    "fallback_data_dependent_ops": "fallback=data_dependent",
-    "dryrun": "backend.dryrun",
-}
-
-
-@dataclass
-class TensorrtBackendConfig(BackendConfig):
-    """torch-tensorrt's dynamo path on CUDA. `settings` are torch_tensorrt.dynamo.compile's
-    keyword arguments (the fields of its CompilationSettings), checked against the installed
-    release; the fallback policy and `dryrun` set the ones in TENSORRT_POLICY_SETTINGS."""
-
-    output_format: TensorrtOutputFormat = TensorrtOutputFormat.exported_program
-    # Partition only, build no engine: the report says what would run in TensorRT.
-    dryrun: bool = False
-    settings: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        owned = sorted(self.settings.keys() & TENSORRT_POLICY_SETTINGS.keys())
-        if owned:
+        if self.device not in self.devices:
+            allowed = " or ".join(filter(None, [", ".join(self.devices[:-1]), self.devices[-1]]))
             raise ConfigError(
-                "; ".join(
-                    f"backend.settings.{k} is set by {TENSORRT_POLICY_SETTINGS[k]}" for k in owned
-                )
-                + ". Each is set in one place only: remove it from backend.settings."
+                f"backend.device={self.device}: backend={self.name} runs on {allowed} "
+                "(allowed values of backend.device)."
             )
 
 
@@ -242,16 +203,10 @@ class FallbackConfig:
 
 
 def _check_op_name(op: str) -> None:
-    """`fallback.ops` entries name an operator overload as the partition report prints it.
-
-    ATen names are checked against torch; other namespaces (ExecuTorch's dim_order_ops) exist
-    only once their backend is imported, so only their form is checked here."""
-    namespace, name, overload = ([*op.split("."), "", ""])[:3]
-    known = True
-    if namespace == "aten" and name:
-        packet = getattr(torch.ops.aten, name, None)
-        known = packet is not None and overload in packet.overloads()
-    if op.count(".") != 2 or not (namespace and name and overload) or not known:
+    """`fallback.ops` entries name an operator overload as the partition report prints it:
+    namespace.name.overload. Whether an ATen overload exists is checked where torch is loaded
+    (exporter.lowering.policy.check_op_names)."""
+    if op.count(".") != 2 or not all(op.split(".")):
         raise ConfigError(
             f"fallback.ops has {op!r}, which is not an operator overload; write it as the "
             "partition report prints ops, namespace.name.overload (aten.nonzero.default)."
@@ -349,6 +304,10 @@ class JobConfig:
 
 
 def register_schemas() -> None:
+    """Stores the schemas that conf/ selects, each backend module's among them. Called by the
+    command before Hydra composes, and by anything else that composes (tests, benchmarks)."""
+    from exporter import backends
+
     store = ConfigStore.instance()
     store.store(name="job_schema", node=JobConfig)
     store.store(group="schema/model", name="llama", node=LlamaConfig)
@@ -357,14 +316,11 @@ def register_schemas() -> None:
     store.store(group="schema/model", name="masked", node=MaskedConfig)
     store.store(group="schema/model", name="custom", node=CustomModelConfig)
     store.store(group="schema/model", name="toy", node=ToyConfig)
-    store.store(group="schema/backend", name="backend", node=BackendConfig)
-    store.store(group="schema/backend", name="tensorrt", node=TensorrtBackendConfig)
+    for name, schema in backends.schemas().items():
+        store.store(group="schema/backend", name=name, node=schema)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)
     store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)
-
-
-register_schemas()
 
 
 def to_job(cfg: DictConfig) -> JobConfig:

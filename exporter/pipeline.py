@@ -109,16 +109,17 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
         with _stage(record, "lower", LoweringFailed):
             artifact = _lower(cache, record, job, exported, material)
     record.artifact = artifact
-    if artifact.format is None:
+    if artifact.runtime is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
         return
 
     def load() -> Loaded:
         try:
-            return load_runtime(artifact.path, str(artifact.format), artifact.device.value)
+            return load_runtime(artifact.path, artifact.runtime, artifact.device)
         except Exception as error:
             raise RuntimeFailed(
-                f"cannot load {artifact.path} ({artifact.format}): {type(error).__name__}: {error}"
+                f"cannot load {artifact.path} (runtime {artifact.runtime}): "
+                f"{type(error).__name__}: {error}"
             ) from error
 
     with _stage(record, "validate", RuntimeFailed):

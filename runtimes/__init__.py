@@ -1,13 +1,24 @@
 """Loaders that run an artifact on its target. Independent of the exporter: a target needs only
-the artifact file, its format, the device to run it on, and this package."""
+the artifact file, the name of its runtime, the device to run it on, and this package.
+
+Every module (or subpackage) of this package is one runtime, with a
+`load(path: Path, device: str) -> Loaded`; it is imported only when its artifact is loaded, so a
+target installs only the toolchain its own runtime needs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib
+import pkgutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# Modules of this package that are helpers of runtimes, not runtimes.
+_HELPERS = ("on_device",)
 
 
 class Loaded(Protocol):
@@ -20,63 +31,12 @@ class Loaded(Protocol):
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
 
-def _load_pte(path: Path, device: str) -> Loaded:
-    if device != "cpu":
-        raise ValueError(f"a .pte of the XNNPACK delegate runs on the CPU, not on {device}")
-    from runtimes.executorch import ExecutorchProgram
-
-    return ExecutorchProgram(path)
+def names() -> list[str]:
+    """Every runtime of this package, by module name."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _HELPERS)
 
 
-def _load_exported_program(path: Path, device: str) -> Loaded:
-    from runtimes.eager import ExportedProgramModule
-
-    return ExportedProgramModule(path, device)
-
-
-def _load_aoti_package(path: Path, device: str) -> Loaded:
-    from runtimes.aoti import AotiPackage
-
-    return AotiPackage(path, device)
-
-
-def _load_tensorrt_program(path: Path, device: str) -> Loaded:
-    from runtimes.tensorrt import TensorrtProgram
-
-    return TensorrtProgram(path, device)
-
-
-def _load_tensorrt_pte(path: Path, device: str) -> Loaded:
-    from runtimes.tensorrt import TensorrtExecutorchProgram
-
-    return TensorrtExecutorchProgram(path, device)
-
-
-def _load_tensorrt_aoti(path: Path, device: str) -> Loaded:
-    from runtimes.tensorrt import tensorrt_aoti_package
-
-    return tensorrt_aoti_package(path, device)
-
-
-def _load_webgpu_pte(path: Path, device: str) -> Loaded:
-    from runtimes.webgpu.program import WebgpuProgram
-
-    return WebgpuProgram(path, device)
-
-
-# Imported lazily so a target installs only the runtime its format needs.
-LOADERS: dict[str, Callable[[Path, str], Loaded]] = {
-    "pte": _load_pte,
-    "exported_program": _load_exported_program,
-    "aoti_package": _load_aoti_package,
-    "tensorrt_program": _load_tensorrt_program,
-    "tensorrt_pte": _load_tensorrt_pte,
-    "tensorrt_aoti": _load_tensorrt_aoti,
-    "webgpu_pte": _load_webgpu_pte,
-}
-
-
-def load(path: Path, format: str, device: str = "cpu") -> Loaded:
-    if format not in LOADERS:
-        raise ValueError(f"no runtime for format {format!r}; known: {', '.join(LOADERS)}")
-    return LOADERS[format](path, device)
+def load(path: Path, runtime: str, device: str = "cpu") -> Loaded:
+    if runtime not in names():
+        raise ValueError(f"no runtime {runtime!r}; known: {', '.join(names())}")
+    return importlib.import_module(f"{__name__}.{runtime}").load(path, device)

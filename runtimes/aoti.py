@@ -18,6 +18,10 @@ from runtimes import on_device
 _DEVICE_KEY = "AOTI_DEVICE_KEY"
 
 
+def load(path: Path, device: str) -> AotiPackage:
+    return AotiPackage(path, device)
+
+
 class AotiPackage:
     def __init__(self, path: Path, device: str = "cpu") -> None:
         _share_libstdcxx()

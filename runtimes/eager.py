@@ -11,6 +11,10 @@ from torch.export.passes import move_to_device_pass
 from runtimes import on_device
 
 
+def load(path: Path, device: str) -> ExportedProgramModule:
+    return ExportedProgramModule(path, device)
+
+
 class ExportedProgramModule:
     def __init__(self, path: Path, device: str = "cpu") -> None:
         self._device = torch.device(device)

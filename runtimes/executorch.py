@@ -9,6 +9,12 @@ import torch
 from executorch.runtime import Runtime, Verification
 
 
+def load(path: Path, device: str) -> ExecutorchProgram:
+    if device != "cpu":
+        raise ValueError(f"a .pte of the XNNPACK delegate runs on the CPU, not on {device}")
+    return ExecutorchProgram(path)
+
+
 class ExecutorchProgram:
     def __init__(self, path: Path, method: str = "forward") -> None:
         program = Runtime.get().load_program(path, verification=Verification.Minimal)

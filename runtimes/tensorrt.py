@@ -1,4 +1,6 @@
-"""Runs what torch_tensorrt.save wrote, on CUDA, in each of its output formats.
+"""Runs what torch_tensorrt.save wrote, on CUDA, in each of its output formats, told apart by
+the file's suffix: a torch.export program (.ep), an ExecuTorch program (.pte), an AOTInductor
+package (.pt2).
 
 Importing torch_tensorrt registers the ops and classes that hold TensorRT engines
 (tensorrt::execute_engine), without which no format loads.
@@ -13,6 +15,19 @@ import torch
 
 from runtimes import on_device
 from runtimes.aoti import AotiPackage
+
+
+def load(path: Path, device: str) -> TensorrtProgram | TensorrtExecutorchProgram | AotiPackage:
+    loaders = {
+        ".ep": TensorrtProgram,
+        ".pte": TensorrtExecutorchProgram,
+        ".pt2": tensorrt_aoti_package,
+    }
+    if path.suffix not in loaders:
+        raise ValueError(
+            f"{path}: torch_tensorrt.save writes {', '.join(loaders)} files, not {path.suffix!r}"
+        )
+    return loaders[path.suffix](path, device)
 
 
 class TensorrtProgram:

@@ -15,6 +15,11 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from exporter import config
+
+# Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
+config.register_schemas()
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
 

@@ -5,19 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporter.backends.partition import (
+from exporter.config import FallbackConfig, FallbackPolicy
+from exporter.errors import LoweringFailed
+from exporter.lowering.partition import (
     CPU,
     DELEGATED,
     NAMED,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
-    Policy,
     enforce,
-    op_name,
 )
-from exporter.config import FallbackConfig, FallbackPolicy
-from exporter.errors import LoweringFailed
+from exporter.lowering.policy import Policy, op_name
 
 UNBACKED = "XNNPACK takes no tensor whose size is data-dependent (unbacked)"
 REFUSED = "invalid dtype"

@@ -11,16 +11,15 @@ import torch
 
 from exporter import config, models
 from exporter.backends import tensorrt
-from exporter.backends.partition import DATA_DEPENDENT, DELEGATED, NAMED, SMALL_BLOCK, UNSUPPORTED
+from exporter.backends.tensorrt import TensorrtConfig, TensorrtOutputFormat
 from exporter.config import (
     DimMode,
     FallbackConfig,
     FallbackPolicy,
-    TensorrtBackendConfig,
-    TensorrtOutputFormat,
 )
 from exporter.errors import ConfigError
 from exporter.export.shapes import opt_size, profiles
+from exporter.lowering.partition import DATA_DEPENDENT, DELEGATED, NAMED, SMALL_BLOCK, UNSUPPORTED
 from exporter.models import DynamicDim, ModelBundle
 from tests.conftest import CliResult
 from tests.test_cli import assert_user_error
@@ -97,7 +96,7 @@ def settings_of(*overrides: str) -> dict:
 
 def test_the_config_group_composes_the_documented_defaults() -> None:
     job = job_of()
-    assert isinstance(job.backend, TensorrtBackendConfig)
+    assert isinstance(job.backend, TensorrtConfig)
     assert job.backend.output_format is TensorrtOutputFormat.exported_program
     assert job.backend.dryrun is False
     assert set(job.backend.settings) <= FIELDS_2_14
@@ -190,21 +189,19 @@ def test_the_executorch_format_needs_the_data_dependent_fallback() -> None:
 
 
 @pytest.mark.parametrize(
-    ("output_format", "file", "runtime"),
+    ("output_format", "file"),
     [
-        ("exported_program", "model.ep", "tensorrt_program"),
-        ("executorch", "model.pte", "tensorrt_pte"),
-        ("aot_inductor", "model.pt2", "tensorrt_aoti"),
+        ("exported_program", "model.ep"),
+        ("executorch", "model.pte"),
+        ("aot_inductor", "model.pt2"),
     ],
 )
-def test_each_output_format_has_its_file_and_runtime(
-    output_format: str, file: str, runtime: str
-) -> None:
+def test_each_output_format_has_its_file_and_runtime(output_format: str, file: str) -> None:
     job = job_of(f"backend.output_format={output_format}", "fallback=data_dependent")
     output = tensorrt.output(job.backend)
-    assert (output.file, output.format, output.device.value) == (file, runtime, "cuda")
+    assert (output.file, output.runtime, output.device) == (file, "tensorrt", "cuda")
     dry = tensorrt.output(job_of("backend.dryrun=true").backend)
-    assert (dry.file, dry.format) == (tensorrt.REPORT_FILE, None)
+    assert (dry.file, dry.runtime) == (tensorrt.REPORT_FILE, None)
 
 
 def bundle_with(dims: tuple[DynamicDim, ...]) -> ModelBundle:

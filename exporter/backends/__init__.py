@@ -1,54 +1,102 @@
-"""The lowering stage: an exported program -> the backend's deployable Artifact."""
+"""The lowering stage, and the registry of backends: every module of this package is one backend.
+
+A backend module declares (see `BackendModule`) its schema (a BackendConfig subclass holding the
+backend's name, defaults and devices), the runtime that loads its artifact, and the functions
+the stage calls. Everything else derives from those declarations: the config store registers
+each schema as `schema/backend/<name>` (conf/backend/<name>.yaml selects it), the stage finds the
+module by `backend.name`, and `runtimes.load` finds the runtime module by its name.
+
+Composing a config imports every backend module, so a backend imports its toolchain (and
+torch) inside its functions, never at the top.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
+import pkgutil
+from functools import cache
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
-from exporter.backends.artifact import Artifact
-from exporter.backends.partition import PARTITION_FILE, PartitionSummary, enforce
-from exporter.config import JobConfig
+from exporter.config import BackendConfig, FallbackConfig, JobConfig
 from exporter.errors import ConfigError
-from exporter.export import Exported
 from exporter.files import write_json
+from exporter.lowering.artifact import Artifact, Output
+from exporter.lowering.partition import PARTITION_FILE, PartitionSummary, enforce
+
+if TYPE_CHECKING:
+    from exporter.export import Exported
 
 __all__ = [
     "Artifact",
-    "PartitionSummary",
+    "BackendModule",
     "adopt",
     "check_fallback",
     "check_target",
+    "declared",
     "lower",
     "lowered_in",
-    "toolchain",
+    "names",
+    "schemas",
 ]
 
-# Each backend module has DELEGATE (its backend id in partition reports; None where nothing is
-# delegated) and
-# check(backend, fallback): raises ConfigError where the two contradict, or this machine lacks
-# what the backend needs;
-# output(backend): the Output (file name, runtime format, device) a config of it makes;
-# toolchain(backend): the versions and device that shape its artifact (part of the cache key);
-# lower(exported, backend, fallback, out_dir), which maps the fallback policy to its own controls.
-# Imported on use: a job pays only for the toolchain of its own backend.
-_BACKENDS = ("eager", "executorch", "aoti", "tensorrt", "webgpu")
+
+class BackendModule(Protocol):
+    """What a module of this package declares."""
+
+    # The backend's config: `name` defaults to the module's name; its other defaults, its own
+    # settings and its `devices` are the backend's.
+    SCHEMA: type[BackendConfig]
+    # The module of the `runtimes` package that loads the artifact.
+    RUNTIME: str
+    # Its backend id in partition reports; None where nothing is delegated.
+    DELEGATE: str | None
+
+    def output(self, backend: Any) -> Output:
+        """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""
+
+    def check(self, backend: Any, fallback: FallbackConfig) -> None:
+        """Raises ConfigError where the two contradict, or this machine lacks what it needs."""
+
+    def toolchain(self, backend: Any) -> dict[str, str]:
+        """What shapes its artifact besides the project's code and Python libraries (a compiler,
+        a GPU): part of the lowering's cache key."""
+
+    def lower(
+        self, exported: Exported, backend: Any, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        """Writes the artifact into `out_dir`, mapping the fallback policy to its own controls."""
 
 
-def _backend(name: str) -> ModuleType:
-    if name not in _BACKENDS:
-        raise ConfigError(f"backend.name={name!r} is unknown; allowed: {', '.join(_BACKENDS)}.")
-    return importlib.import_module(f"exporter.backends.{name}")
+@cache
+def names() -> tuple[str, ...]:
+    """Every backend, by module name."""
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg))
+
+
+def declared(name: str) -> BackendModule:
+    if name not in names():
+        raise ConfigError(f"backend.name={name!r} is unknown; allowed: {', '.join(names())}.")
+    module: Any = importlib.import_module(f"{__name__}.{name}")
+    return module
+
+
+def schemas() -> dict[str, type[BackendConfig]]:
+    return {name: declared(name).SCHEMA for name in names()}
 
 
 def check_target(job: JobConfig) -> None:
-    """Raises ConfigError, before any work, where the backend cannot run on this machine."""
-    _backend(job.backend.name).check(job.backend, job.fallback)
+    """Raises ConfigError, before any work, where the backend cannot run on this machine or the
+    fallback policy names ops torch does not have."""
+    from exporter.lowering.policy import check_op_names
+
+    check_op_names(job.fallback)
+    declared(job.backend.name).check(job.backend, job.fallback)
 
 
 def toolchain(job: JobConfig) -> dict[str, str]:
-    return _backend(job.backend.name).toolchain(job.backend)
+    return declared(job.backend.name).toolchain(job.backend)
 
 
 def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
@@ -56,7 +104,7 @@ def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
 
     The policy's partitioning settings shape what is lowered; whether `strict` holds is judged
     after, by `check_fallback`."""
-    artifact = _backend(job.backend.name).lower(exported, job.backend, job.fallback, out_dir)
+    artifact = declared(job.backend.name).lower(exported, job.backend, job.fallback, out_dir)
     if artifact.partition:
         write_json(out_dir / PARTITION_FILE, artifact.partition.to_json())
     return artifact
@@ -64,28 +112,27 @@ def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
 
 def lowered_in(folder: Path, job: JobConfig) -> Artifact:
     """The artifact that `lower` wrote into `folder` (or a copy of that folder's files)."""
-    backend = _backend(job.backend.name)
     partition_path = folder / PARTITION_FILE
     partition = (
         PartitionSummary.from_json(json.loads(partition_path.read_text()))
         if partition_path.exists()
         else None
     )
-    output = backend.output(job.backend)
+    output = declared(job.backend.name).output(job.backend)
     return Artifact.at(folder / output.file, output, partition)
 
 
 def check_fallback(artifact: Artifact, job: JobConfig) -> None:
     """Raises LoweringFailed where `fallback` forbids what the partitioner left outside."""
     if artifact.partition:
-        enforce(artifact.partition, job.fallback, _backend(job.backend.name).DELEGATE)
+        enforce(artifact.partition, job.fallback, declared(job.backend.name).DELEGATE)
 
 
 def adopt(path: Path, job: JobConfig) -> Artifact:
     """A pre-built artifact (`artifact=PATH`) to validate as the backend's own output."""
-    output = _backend(job.backend.name).output(job.backend)
+    output = declared(job.backend.name).output(job.backend)
     expected = Path(output.file).suffix
-    if output.format is None:
+    if output.runtime is None:
         raise ConfigError(
             f"artifact={path}: backend={job.backend.name} with these settings makes a report, "
             "not an artifact to run."

@@ -9,53 +9,79 @@ from __future__ import annotations
 
 import logging
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from torch._inductor import aoti_compile_and_package
-from torch._inductor.cpp_builder import get_cpp_compiler
-from torch.export.passes import move_to_device_pass
-
-from exporter.backends import device
-from exporter.backends.artifact import Artifact, Output
-from exporter.config import BackendConfig, Device, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig
 from exporter.errors import ConfigError
-from exporter.export import Exported
 from exporter.files import atomic_path
+from exporter.lowering.artifact import Artifact, Output
+
+if TYPE_CHECKING:
+    from exporter.export import Exported
 
 log = logging.getLogger(__name__)
 
+
+@dataclass
+class AotiConfig(BackendConfig):
+    """`device=cuda` compiles Triton kernels for the GPU this machine has."""
+
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    name: str = "aoti"
+    atol: float = 1.0e-4
+    rtol: float = 1.0e-3
+    device: str = "cpu"
+
+
+SCHEMA = AotiConfig
+RUNTIME = "aoti"
 DELEGATE = None
 
 
-def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
-    device.require(backend.device)
+def check(backend: AotiConfig, fallback: FallbackConfig) -> None:
+    from exporter.lowering import torch_device
+
+    torch_device.require(backend.device)
     _compiler()
 
 
-def output(backend: BackendConfig) -> Output:
-    return Output(file="model.pt2", format="aoti_package", device=backend.device)
+def output(backend: AotiConfig) -> Output:
+    return Output(file="model.pt2", runtime=RUNTIME, device=backend.device)
 
 
-def toolchain(backend: BackendConfig) -> dict[str, str]:
+def toolchain(backend: AotiConfig) -> dict[str, str]:
+    from exporter.lowering import torch_device
+
     compiler = _compiler()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout.splitlines()
-    return {"device": device.describe(backend.device), "compiler": version[0] if version else ""}
+    return {
+        "device": torch_device.describe(backend.device),
+        "compiler": version[0] if version else "",
+    }
 
 
 def lower(
-    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: AotiConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
+    from torch._inductor import aoti_compile_and_package
+    from torch.export.passes import move_to_device_pass
+
+    from exporter.lowering import torch_device
+
     if fallback.ops or fallback.min_block_size > 1:
         log.warning(
             "[lower] backend=aoti compiles every op into the package; fallback.ops and "
             "fallback.min_block_size do not apply to it"
         )
-    log.info("[lower] AOTInductor: compiling for %s", device.describe(backend.device))
+    log.info("[lower] AOTInductor: compiling for %s", torch_device.describe(backend.device))
     program = exported.program
-    if backend.device is not Device.cpu:
-        program = move_to_device_pass(program, device.indexed(backend.device))
+    if backend.device != "cpu":
+        program = move_to_device_pass(program, torch_device.indexed(backend.device))
     target = output(backend)
     path = out_dir / target.file
     with atomic_path(path) as temporary:
@@ -65,6 +91,8 @@ def lower(
 
 def _compiler() -> str:
     """The C++ compiler Inductor will build the package with (it looks for g++, or $CXX)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
     try:
         return get_cpp_compiler()
     except Exception as error:

@@ -7,32 +7,54 @@ sit next to a compiled backend's on the same device.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from exporter.backends import device
-from exporter.backends.artifact import Artifact, Output
 from exporter.config import BackendConfig, FallbackConfig
-from exporter.export import PROGRAM_FILE, Exported
+from exporter.lowering.artifact import Artifact, Output
+
+if TYPE_CHECKING:
+    from exporter.export import Exported
 
 log = logging.getLogger(__name__)
 
+
+@dataclass
+class EagerConfig(BackendConfig):
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    name: str = "eager"
+    atol: float = 1.0e-5
+    rtol: float = 1.0e-4
+    device: str = "cpu"
+
+
+SCHEMA = EagerConfig
+RUNTIME = "eager"
 DELEGATE = None
 
 
-def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
-    device.require(backend.device)
+def check(backend: EagerConfig, fallback: FallbackConfig) -> None:
+    from exporter.lowering import torch_device
+
+    torch_device.require(backend.device)
 
 
-def output(backend: BackendConfig) -> Output:
-    return Output(file=PROGRAM_FILE, format="exported_program", device=backend.device)
+def output(backend: EagerConfig) -> Output:
+    from exporter.export import PROGRAM_FILE
+
+    return Output(file=PROGRAM_FILE, runtime=RUNTIME, device=backend.device)
 
 
-def toolchain(backend: BackendConfig) -> dict[str, str]:
-    return {"device": device.describe(backend.device)}
+def toolchain(backend: EagerConfig) -> dict[str, str]:
+    from exporter.lowering import torch_device
+
+    return {"device": torch_device.describe(backend.device)}
 
 
 def lower(
-    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: EagerConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
     # Nothing to lower and nothing to fall back from: every node runs in PyTorch, so every
     # fallback policy holds.

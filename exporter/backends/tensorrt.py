@@ -19,38 +19,80 @@ import importlib.metadata
 import logging
 import re
 from collections.abc import Collection
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-from torch.export.passes import move_to_device_pass
-
-from exporter.backends import device
-from exporter.backends.artifact import Artifact, Output
-from exporter.backends.debug_log import captured
-from exporter.backends.partition import (
+from exporter.config import BackendConfig, FallbackConfig, FallbackPolicy
+from exporter.errors import ConfigError, LoweringFailed
+from exporter.lowering.artifact import Artifact, Output
+from exporter.lowering.debug_log import captured
+from exporter.lowering.partition import (
     DELEGATED,
     SMALL_BLOCK,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
-    makes_data_dependent_shape,
-    op_name,
-    policy_reason,
 )
-from exporter.config import (
-    Device,
-    FallbackConfig,
-    FallbackPolicy,
-    TensorrtBackendConfig,
-    TensorrtOutputFormat,
-)
-from exporter.errors import ConfigError, LoweringFailed
-from exporter.export import Exported
-from exporter.export.shapes import InputProfile
+
+if TYPE_CHECKING:
+    import torch
+
+    from exporter.export import Exported
+    from exporter.export.shapes import InputProfile
 
 log = logging.getLogger(__name__)
 
+
+class TensorrtOutputFormat(Enum):
+    """What torch_tensorrt.save writes: a torch.export program with the engines inside (.ep), an
+    ExecuTorch program with TensorRT delegates (.pte), or an AOTInductor package (.pt2)."""
+
+    exported_program = "exported_program"
+    executorch = "executorch"
+    aot_inductor = "aot_inductor"
+
+
+# CompilationSettings fields the fallback policy owns, and the fallback key that sets each.
+POLICY_SETTINGS = {
+    "min_block_size": "fallback.min_block_size",
+    "torch_executed_ops": "fallback.ops",
+    "require_full_compilation": "fallback=strict",
+    "fallback_data_dependent_ops": "fallback=data_dependent",
+    "dryrun": "backend.dryrun",
+}
+
+
+@dataclass
+class TensorrtConfig(BackendConfig):
+    """torch-tensorrt's dynamo path on CUDA. `settings` are torch_tensorrt.dynamo.compile's
+    keyword arguments (the fields of its CompilationSettings), checked against the installed
+    release; the fallback policy and `dryrun` set the ones in POLICY_SETTINGS."""
+
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+
+    name: str = "tensorrt"
+    atol: float = 1.0e-3
+    rtol: float = 1.0e-2
+    device: str = "cuda"
+    output_format: TensorrtOutputFormat = TensorrtOutputFormat.exported_program
+    # Partition only, build no engine: the report says what would run in TensorRT.
+    dryrun: bool = False
+    settings: dict[str, Any] = field(default_factory=lambda: {"optimization_level": 3})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owned = sorted(self.settings.keys() & POLICY_SETTINGS.keys())
+        if owned:
+            raise ConfigError(
+                "; ".join(f"backend.settings.{k} is set by {POLICY_SETTINGS[k]}" for k in owned)
+                + ". Each is set in one place only: remove it from backend.settings."
+            )
+
+
+SCHEMA = TensorrtConfig
+RUNTIME = "tensorrt"
 DELEGATE = "TensorRT"
 # Where the nodes outside every engine run.
 OUTSIDE = "pytorch"
@@ -60,10 +102,11 @@ INSTALL = (
     "(tensorrt-cu13; its libraries download from NVIDIA's index, pypi.nvidia.com)"
 )
 
-_OUTPUTS = {
-    TensorrtOutputFormat.exported_program: ("model.ep", "tensorrt_program"),
-    TensorrtOutputFormat.executorch: ("model.pte", "tensorrt_pte"),
-    TensorrtOutputFormat.aot_inductor: ("model.pt2", "tensorrt_aoti"),
+# The file each format is saved as; runtimes/tensorrt.py loads each by its suffix.
+_FILES = {
+    TensorrtOutputFormat.exported_program: "model.ep",
+    TensorrtOutputFormat.executorch: "model.pte",
+    TensorrtOutputFormat.aot_inductor: "model.pt2",
 }
 
 # Settings that releases removed, and what replaced them; named in the error for each.
@@ -75,7 +118,7 @@ _REMOVED = {
     ),
     "use_explicit_typing": "removed in torch-tensorrt 2.13: networks are always strongly typed",
 }
-_AUTOCAST_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_AUTOCAST_TYPES = ("float16", "bfloat16")
 
 # The dry-run report's lines (torch_tensorrt/dynamo/_DryRunTracker.py).
 _ENGINE = re.compile(
@@ -88,38 +131,36 @@ _HEADER = "Dry-Run Results for Graph"
 _DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
 
 
-def output(backend: TensorrtBackendConfig) -> Output:
+def output(backend: TensorrtConfig) -> Output:
     if backend.dryrun:
-        return Output(file=REPORT_FILE, format=None, device=Device.cuda)
-    file, format = _OUTPUTS[backend.output_format]
-    return Output(file=file, format=format, device=Device.cuda)
+        return Output(file=REPORT_FILE, runtime=None, device="cuda")
+    return Output(file=_FILES[backend.output_format], runtime=RUNTIME, device="cuda")
 
 
-def check(backend: TensorrtBackendConfig, fallback: FallbackConfig) -> None:
+def check(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
     """Contradictions first (they need nothing installed), then torch-tensorrt and TensorRT,
     the settings against the installed CompilationSettings, and a CUDA device."""
+    from exporter.lowering import torch_device
+
     check_policy(backend, fallback)
-    if backend.device is not Device.cuda:
-        raise ConfigError(
-            f"backend=tensorrt runs TensorRT engines on CUDA, not on backend.device="
-            f"{backend.device.value}; allowed: backend.device=cuda."
-        )
     torch_tensorrt = _import_torch_tensorrt()
     compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
-    device.require(Device.cuda)
+    torch_device.require("cuda")
 
 
-def toolchain(backend: TensorrtBackendConfig) -> dict[str, str]:
+def toolchain(backend: TensorrtConfig) -> dict[str, str]:
     import tensorrt
+
+    from exporter.lowering import torch_device
 
     return {
         "torch_tensorrt": importlib.metadata.version("torch-tensorrt"),
         "tensorrt": tensorrt.__version__,
-        "device": device.describe(Device.cuda),
+        "device": torch_device.describe("cuda"),
     }
 
 
-def check_policy(backend: TensorrtBackendConfig, fallback: FallbackConfig) -> None:
+def check_policy(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
     """An ExecuTorch program cannot hold an engine whose output shape depends on data, so that
     format needs those ops in PyTorch (fallback_data_dependent_ops)."""
     if backend.output_format is not TensorrtOutputFormat.executorch:
@@ -146,7 +187,7 @@ def settings_fields() -> set[str]:
 
 
 def compile_settings(
-    backend: TensorrtBackendConfig,
+    backend: TensorrtConfig,
     fallback: FallbackConfig,
     fields: Collection[str],
     release: str,
@@ -184,7 +225,9 @@ def _setting(key: str, value: Any) -> Any:
             f"backend.settings.autocast_low_precision_type is {value!r}; allowed: "
             f"{', '.join(_AUTOCAST_TYPES)}."
         )
-    return _AUTOCAST_TYPES[value]
+    import torch
+
+    return getattr(torch, value)
 
 
 def trt_input(profile: InputProfile) -> Any:
@@ -204,9 +247,12 @@ def trt_input(profile: InputProfile) -> Any:
 
 
 def lower(
-    exported: Exported, backend: TensorrtBackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: TensorrtConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
     import torch_tensorrt
+    from torch.export.passes import move_to_device_pass
+
+    from exporter.lowering import torch_device
 
     settings = compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
     inputs = [trt_input(profile) for profile in exported.inputs]
@@ -216,7 +262,7 @@ def lower(
         " (dry run)" if backend.dryrun else "",
         ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
     )
-    program = move_to_device_pass(exported.program, device.indexed(Device.cuda))
+    program = move_to_device_pass(exported.program, torch_device.indexed("cuda"))
     # Without a dry run, torch-tensorrt logs its partition report at DEBUG only.
     logged: list[str] = []
 
@@ -275,6 +321,8 @@ def partition_of(
     """Where each node runs, from a dry-run report. The report counts each engine's ops without
     naming them, so delegated nodes are named by their engine; nodes left in PyTorch are named
     by their layer location, with the policy's reason or the report's."""
+    from exporter.lowering.policy import policy_reason
+
     unsupported: set[str] = set()
     block = _UNSUPPORTED.search(report)
     if block:
@@ -296,6 +344,8 @@ def partition_of(
 
 
 def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
+    from exporter.lowering.policy import makes_data_dependent_shape, op_name
+
     return {op_name(node) for node in program.graph.nodes if makes_data_dependent_shape(node)}
 
 

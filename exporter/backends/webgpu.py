@@ -1,30 +1,45 @@
 """WebGPU: ExecuTorch's WebGPU partitioner (its Vulkan partitioner in the WebGPU configuration)
--> a .pte whose delegates are VulkanBackend payloads, run by runtimes/webgpu through wgpu.
+-> a .pte whose delegates are VulkanBackend payloads, run by runtimes/webgpu through wgpu on any
+GPU wgpu reaches (Vulkan, Metal, D3D12), or on Mesa's lavapipe, a software GPU.
 
 ExecuTorch is imported by `lower` only: a target that validates a .pte built elsewhere
-(`artifact=`) needs torch and wgpu, not the toolchain that lowered it.
+(`artifact=`) needs torch, wgpu and flatbuffers, not the toolchain that lowered it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from exporter.backends.artifact import Artifact, Output
-from exporter.config import BackendConfig, Device, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig
 from exporter.errors import ConfigError
-from exporter.export import Exported
+from exporter.lowering.artifact import Artifact, Output
 
+if TYPE_CHECKING:
+    from exporter.export import Exported
+
+
+@dataclass
+class WebgpuConfig(BackendConfig):
+    """`device` picks the wgpu adapter: auto (a discrete GPU first, lavapipe last), gpu
+    (hardware only) or cpu (lavapipe: apt-get install mesa-vulkan-drivers)."""
+
+    devices: ClassVar[tuple[str, ...]] = ("auto", "gpu", "cpu")
+
+    name: str = "webgpu"
+    atol: float = 1.0e-4
+    rtol: float = 1.0e-3
+    device: str = "auto"
+
+
+SCHEMA = WebgpuConfig
+RUNTIME = "webgpu"
 DELEGATE = "VulkanBackend"
-_DEVICES = (Device.auto, Device.gpu, Device.cpu)
 
 
-def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
-    if backend.device not in _DEVICES:
-        raise ConfigError(
-            f"backend=webgpu picks a wgpu adapter, not backend.device={backend.device.value}; "
-            "allowed: backend.device=auto, gpu or cpu."
-        )
+def check(backend: WebgpuConfig, fallback: FallbackConfig) -> None:
     try:
         from runtimes.webgpu import adapter
     except ImportError as error:
@@ -33,28 +48,26 @@ def check(backend: BackendConfig, fallback: FallbackConfig) -> None:
             "pip install wgpu"
         ) from error
     try:
-        adapter.choose(backend.device.value)
+        adapter.choose(backend.device)
     except adapter.NoAdapter as error:
         # A machine without the GPU asked for is the user's news, not a bug: no traceback.
-        raise ConfigError(
-            f"backend=webgpu backend.device={backend.device.value}: {error}"
-        ) from None
+        raise ConfigError(f"backend=webgpu backend.device={backend.device}: {error}") from None
 
 
-def output(backend: BackendConfig) -> Output:
-    return Output(file="model.pte", format="webgpu_pte", device=backend.device)
+def output(backend: WebgpuConfig) -> Output:
+    return Output(file="model.pte", runtime=RUNTIME, device=backend.device)
 
 
-def toolchain(backend: BackendConfig) -> dict[str, str]:
+def toolchain(backend: WebgpuConfig) -> dict[str, str]:
     # The lowering is the same whichever adapter will run it.
     return {"executorch": importlib.metadata.version("executorch")}
 
 
 def lower(
-    exported: Exported, backend: BackendConfig, fallback: FallbackConfig, out_dir: Path
+    exported: Exported, backend: WebgpuConfig, fallback: FallbackConfig, out_dir: Path
 ) -> Artifact:
-    from exporter.backends.executorch import announced_policy, lowered_to_pte
-    from exporter.backends.webgpu_partitioner import PolicyPartitioner
+    from exporter.lowering.executorch_program import announced_policy, lowered_to_pte
+    from exporter.lowering.webgpu_partitioner import PolicyPartitioner
 
     partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
     return lowered_to_pte(exported, partitioner, partitioner.why_on_cpu, output(backend), out_dir)

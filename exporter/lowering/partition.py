@@ -1,4 +1,4 @@
-"""Where each compute node of a lowered program runs and why, and the fallback policy's verdict.
+"""Where each compute node of a lowered program runs and why, and the `strict` policy's verdict.
 
 The vocabulary is every backend's: a node runs in a delegate (by its backend id) or outside
 every delegate (on the CPU for ExecuTorch, in PyTorch for TensorRT), and a node outside is there
@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-
-import torch
-from torch.export import ExportedProgram
 
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
@@ -119,71 +116,6 @@ class PartitionSummary:
     def from_json(cls, payload: dict) -> PartitionSummary:
         nodes = tuple(NodePlacement(**node) for node in payload["nodes"])
         return cls(nodes=nodes, delegates=payload["delegates"])
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """ "aten.view_copy.default", for an ATen overload (str) and an edge op (__name__) alike;
-    both have an `_op`, which is no name."""
-    if isinstance(node.target, torch._ops.OpOverload):
-        return str(node.target)
-    return str(getattr(node.target, "__name__", node.target))
-
-
-class Policy:
-    """The fallback policy, judged per node of a program being lowered.
-
-    A user naming an op means the op as export traced it: `aten.linear.default` keeps off the
-    addmm that linear decomposes into. Nodes remember the torch call they came from
-    (`torch_fn` metadata), so each call's traced ATen ops are collected before lowering."""
-
-    def __init__(self, fallback: FallbackConfig, traced: ExportedProgram) -> None:
-        self.fallback = fallback
-        self.traced_ops: dict[str, set[str]] = {}
-        for node in traced.graph.nodes:
-            if node.op == "call_function":
-                self.traced_ops.setdefault(_call_of(node), set()).add(op_name(node))
-
-    def names_of(self, node: torch.fx.Node) -> set[str]:
-        return {op_name(node)} | self.traced_ops.get(_call_of(node), set())
-
-    def unmatched_ops(self) -> set[str]:
-        """Names in fallback.ops that no traced op has."""
-        return set(self.fallback.ops) - set().union(*self.traced_ops.values())
-
-    def reason(self, node: torch.fx.Node) -> tuple[str, str] | None:
-        """(reason, detail) where the policy keeps the node off the backend."""
-        return policy_reason(self.names_of(node), makes_data_dependent_shape(node), self.fallback)
-
-    def small_block(self, size: int) -> tuple[str, str]:
-        """(reason, detail) of a node whose block of `size` compute nodes was too small."""
-        return SMALL_BLOCK, (
-            f"its block had {size} compute node(s), under "
-            f"fallback.min_block_size={self.fallback.min_block_size}"
-        )
-
-
-def policy_reason(
-    names: set[str], data_dependent: bool, fallback: FallbackConfig
-) -> tuple[str, str] | None:
-    """(reason, detail) where the policy keeps an op off the backend, for a backend that knows
-    the op by `names` and whether its output size depends on tensor values."""
-    named = sorted(names & set(fallback.ops))
-    if named:
-        return NAMED, f"fallback.ops has {named[0]}"
-    if fallback.policy is FallbackPolicy.data_dependent and data_dependent:
-        return DATA_DEPENDENT, "its output size depends on tensor values (fallback=data_dependent)"
-    return None
-
-
-def _call_of(node: torch.fx.Node) -> str:
-    # ("linear_1", "builtin_function_or_method.linear"): the id of the torch call.
-    torch_fn = node.meta.get("torch_fn")
-    return str(torch_fn[0]) if torch_fn else f"node:{node.name}"
-
-
-def makes_data_dependent_shape(node: torch.fx.Node) -> bool:
-    """The node creates a size known only from tensor values (nonzero, x[mask], unique...)."""
-    return node.op == "call_function" and bool(node.meta.get("unbacked_bindings"))
 
 
 def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:

@@ -19,8 +19,9 @@ from executorch.backends.webgpu.partitioner import WebGPUPartitioner
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
 
-from exporter.backends.executorch import is_compute
-from exporter.backends.partition import UNSUPPORTED, Policy, op_name
+from exporter.lowering.executorch_program import is_compute
+from exporter.lowering.partition import UNSUPPORTED
+from exporter.lowering.policy import Policy, op_name
 
 # The partitioner logs each node it refuses to the root logger, at INFO.
 _REFUSAL = re.compile(

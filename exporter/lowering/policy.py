@@ -1,0 +1,94 @@
+"""The fallback policy judged per node of a program being lowered: which nodes it keeps off the
+backend, and why, in the partition report's words."""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from exporter.config import FallbackConfig, FallbackPolicy
+from exporter.errors import ConfigError
+from exporter.lowering.partition import DATA_DEPENDENT, NAMED, SMALL_BLOCK
+
+
+def check_op_names(fallback: FallbackConfig) -> None:
+    """Raises ConfigError for an ATen name in `fallback.ops` that torch has no overload of.
+
+    The schema checked each name's form; whether an ATen overload exists needs torch, which
+    composing a config does not import. Other namespaces (ExecuTorch's dim_order_ops) exist only
+    once their backend is imported, so only their form is checked."""
+    for op in fallback.ops:
+        namespace, name, overload = op.split(".")
+        if namespace != "aten":
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or overload not in packet.overloads():
+            raise ConfigError(
+                f"fallback.ops has {op!r}, which is no ATen operator overload; write it as the "
+                "partition report prints ops, namespace.name.overload (aten.nonzero.default)."
+            )
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """ "aten.view_copy.default", for an ATen overload (str) and an edge op (__name__) alike;
+    both have an `_op`, which is no name."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return str(getattr(node.target, "__name__", node.target))
+
+
+class Policy:
+    """The fallback policy, judged per node of a program being lowered.
+
+    A user naming an op means the op as export traced it: `aten.linear.default` keeps off the
+    addmm that linear decomposes into. Nodes remember the torch call they came from
+    (`torch_fn` metadata), so each call's traced ATen ops are collected before lowering."""
+
+    def __init__(self, fallback: FallbackConfig, traced: ExportedProgram) -> None:
+        self.fallback = fallback
+        self.traced_ops: dict[str, set[str]] = {}
+        for node in traced.graph.nodes:
+            if node.op == "call_function":
+                self.traced_ops.setdefault(_call_of(node), set()).add(op_name(node))
+
+    def names_of(self, node: torch.fx.Node) -> set[str]:
+        return {op_name(node)} | self.traced_ops.get(_call_of(node), set())
+
+    def unmatched_ops(self) -> set[str]:
+        """Names in fallback.ops that no traced op has."""
+        return set(self.fallback.ops) - set().union(*self.traced_ops.values())
+
+    def reason(self, node: torch.fx.Node) -> tuple[str, str] | None:
+        """(reason, detail) where the policy keeps the node off the backend."""
+        return policy_reason(self.names_of(node), makes_data_dependent_shape(node), self.fallback)
+
+    def small_block(self, size: int) -> tuple[str, str]:
+        """(reason, detail) of a node whose block of `size` compute nodes was too small."""
+        return SMALL_BLOCK, (
+            f"its block had {size} compute node(s), under "
+            f"fallback.min_block_size={self.fallback.min_block_size}"
+        )
+
+
+def policy_reason(
+    names: set[str], data_dependent: bool, fallback: FallbackConfig
+) -> tuple[str, str] | None:
+    """(reason, detail) where the policy keeps an op off the backend, for a backend that knows
+    the op by `names` and whether its output size depends on tensor values."""
+    named = sorted(names & set(fallback.ops))
+    if named:
+        return NAMED, f"fallback.ops has {named[0]}"
+    if fallback.policy is FallbackPolicy.data_dependent and data_dependent:
+        return DATA_DEPENDENT, "its output size depends on tensor values (fallback=data_dependent)"
+    return None
+
+
+def _call_of(node: torch.fx.Node) -> str:
+    # ("linear_1", "builtin_function_or_method.linear"): the id of the torch call.
+    torch_fn = node.meta.get("torch_fn")
+    return str(torch_fn[0]) if torch_fn else f"node:{node.name}"
+
+
+def makes_data_dependent_shape(node: torch.fx.Node) -> bool:
+    """The node creates a size known only from tensor values (nonzero, x[mask], unique...)."""
+    return node.op == "call_function" and bool(node.meta.get("unbacked_bindings"))
