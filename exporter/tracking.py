@@ -27,7 +27,7 @@ from exporter.comparison import JobSummary
 from exporter.config import MlflowConfig
 from exporter.errors import TrackingFailed
 from exporter.record import JobRecord, now_ms
-from exporter.validate.plan import step
+from exporter.validate.plan import label, steps
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def log_job(
 ) -> str:
     """Records the ended job as an MLflow run, nested under `parent_run_id` if given: its
     summary's figures and tags, so the run and the comparison table say the same."""
-    tags = _tags(summary)
+    tags = {**_tags(summary), **_step_tags(record)}
     if parent_run_id:
         tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
     run_id = _create_run(store, record.started_ms, run_name)
@@ -186,8 +186,7 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     if record.report:
         report = record.report
         metrics.append(Metric("needed_atol", report.worst("needed_atol"), at, 0))
-        for result in report.by_shape():
-            size = step(result.shape)
+        for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
             metrics += [
                 Metric("max_abs_err", result.stats["max_abs"], at, size),
                 Metric("max_rel_err", result.stats["max_rel"], at, size),
@@ -195,6 +194,15 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
                 Metric("latency_ms", result.latency_ms, at, size),
             ]
     return metrics
+
+
+def _step_tags(record: JobRecord) -> dict[str, str]:
+    """With several dynamic dims a metric's step is the shape's position in the plan; these
+    tags say which shape each step is (`step.3` = `batch=8,seq=1`)."""
+    shapes = record.report.shapes if record.report else ()
+    if not shapes or len(shapes[0]) < 2:
+        return {}
+    return {f"step.{n}": label(shape) for n, shape in zip(steps(shapes), shapes, strict=True)}
 
 
 def _tags(summary: JobSummary) -> dict[str, str]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from exporter.models import DynamicDim
-from exporter.validate.plan import plan, run_order
+from exporter.validate.plan import label, plan, run_order, steps
 
 SEQ = DynamicDim("seq", (("input_ids", 1),), 1, 128)
+BATCH = DynamicDim("batch", (("x", 0),), 1, 8)
 
 
 def sizes(shapes: list[dict[str, int]]) -> list[int]:
@@ -39,3 +40,32 @@ def test_several_dims_take_their_own_bounds_rank_by_rank() -> None:
     shapes = plan([batch, SEQ], [], 0, seed=0)
     assert shapes[0] == {"batch": 2, "seq": 1}
     assert shapes[-1] == {"batch": 8, "seq": 128}
+
+
+def test_two_dims_run_the_diagonal_and_every_corner_fewest_elements_first() -> None:
+    seq = DynamicDim("seq", (("x", 1),), 1, 64)
+    shapes = [(s["batch"], s["seq"]) for s in plan([BATCH, seq], [], 0, seed=0)]
+    # The diagonal (min, min+1, odd middle, max-1, max of each) and the mixed corners.
+    assert shapes == [(1, 1), (2, 2), (8, 1), (1, 64), (5, 33), (7, 63), (8, 64)]
+
+
+def test_three_dims_get_all_eight_corners_once() -> None:
+    heads = DynamicDim("heads", (("x", 2),), 1, 4)
+    shapes = plan([BATCH, SEQ, heads], [3], 2, seed=1)
+    triples = [(s["batch"], s["seq"], s["heads"]) for s in shapes]
+    corners = {(b, s, h) for b in (1, 8) for s in (1, 128) for h in (1, 4)}
+    assert corners <= set(triples)
+    assert len(triples) == len(set(triples))
+    elements = [b * s * h for b, s, h in triples]
+    assert elements == sorted(elements)
+
+
+def test_the_step_of_one_dim_is_its_size() -> None:
+    assert steps(plan([SEQ], [], 0, seed=0)) == [1, 2, 65, 127, 128]
+
+
+def test_the_steps_of_several_dims_are_positions_and_labels_name_the_shapes() -> None:
+    shapes = plan([BATCH, SEQ], [5], 2, seed=0)
+    assert steps(shapes) == list(range(len(shapes)))
+    assert len({label(shape) for shape in shapes}) == len(shapes)
+    assert label(shapes[2]) == "batch=8,seq=1"

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
-from exporter.validate.plan import step
+from exporter.validate.plan import steps
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
@@ -53,7 +53,8 @@ class JobSummary:
     cache_hits: dict[str, bool] = field(default_factory=dict)
     # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
     target: dict[str, str] = field(default_factory=dict)
-    # Per size of the first dynamic dim (`dim`), smallest first: the worst error and latency.
+    # Per live shape, smallest first: its step (the size of the one dynamic dim `dim`, or with
+    # several dims, `dim` "shape #", its position in the plan), the worst error and latency.
     dim: str | None = None
     sizes: list[int] = field(default_factory=list)
     max_abs_err: list[float] = field(default_factory=list)
@@ -87,8 +88,9 @@ class JobSummary:
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.latency_at_min_ms = results[0].latency_ms
             summary.latency_at_max_ms = results[-1].latency_ms
-            summary.dim = next(iter(results[0].shape))
-            summary.sizes = [step(result.shape) for result in results]
+            shapes = [result.shape for result in results]
+            summary.dim = next(iter(shapes[0])) if len(shapes[0]) == 1 else "shape #"
+            summary.sizes = steps(shapes)
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
             summary.latency_ms = [result.latency_ms for result in results]
         return summary

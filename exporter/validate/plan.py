@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections.abc import Sequence
 
@@ -15,11 +17,16 @@ def plan(
     dims: Sequence[DynamicDim], extra: Sequence[int], random_count: int, seed: int
 ) -> list[LiveShape]:
     """min, min+1, an odd size in the middle, max-1, max, the extra sizes and `random_count`
-    seeded draws, deduplicated, smallest first. With several dims, the k-th shape takes each
-    dim's k-th size (its own min with the others' mins, and so on)."""
+    seeded draws, deduplicated, smallest first (fewest elements, then by size dim by dim).
+
+    With several dims, the k-th of those shapes takes each dim's k-th size (its own min with
+    the others' mins, and so on), and every corner is added, each dim at its min or its max:
+    the diagonal alone never runs batch=max with seq=min, where a kernel sized by one dim and
+    indexed by the other goes wrong. One dim's corners are its min and max, already planned."""
     rng = random.Random(seed)
     per_dim = [_sizes(dim, extra, random_count, rng) for dim in dims]
-    shapes = sorted(set(zip(*per_dim, strict=True)))
+    corners = itertools.product(*({dim.min, dim.max} for dim in dims))
+    shapes = sorted({*zip(*per_dim, strict=True), *corners}, key=lambda s: (math.prod(s), s))
     return [dict(zip((dim.name for dim in dims), sizes, strict=True)) for sizes in shapes]
 
 
@@ -43,6 +50,10 @@ def label(shape: LiveShape) -> str:
     return ",".join(f"{name}={size}" for name, size in shape.items())
 
 
-def step(shape: LiveShape) -> int:
-    """The live size MLflow plots against: the size of the model's first dynamic dim."""
-    return next(iter(shape.values()))
+def steps(shapes: Sequence[LiveShape]) -> list[int]:
+    """MLflow's step of each shape, unique within the plan. With one dynamic dim, its live size,
+    so the UI plots error against size; with several, no one size tells shapes apart (batch=8
+    with seq=1 or seq=64), so the shape's position in the plan, which `label` names."""
+    if all(len(shape) == 1 for shape in shapes):
+        return [next(iter(shape.values())) for shape in shapes]
+    return list(range(len(shapes)))
