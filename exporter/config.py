@@ -87,6 +87,15 @@ class MaskedConfig(ModelConfig):
     hidden_features: int = MISSING
 
 
+@dataclass
+class EncoderConfig(ModelConfig):
+    """A transformer encoder block (LayerNorm, single-head self-attention without a mask, an
+    MLP, residuals) over x [batch, seq, features]: a model with two dynamic dims."""
+
+    features: int = MISSING
+    hidden_features: int = MISSING
+
+
 class ToyKind(Enum):
     """The toy models of exporter/models/toys.py, each one op pattern; conf/model/<kind>.yaml."""
 
@@ -314,6 +323,7 @@ def register_schemas() -> None:
     store.store(group="schema/model", name="mlp", node=MlpConfig)
     store.store(group="schema/model", name="moe", node=MoeConfig)
     store.store(group="schema/model", name="masked", node=MaskedConfig)
+    store.store(group="schema/model", name="encoder", node=EncoderConfig)
     store.store(group="schema/model", name="custom", node=CustomModelConfig)
     store.store(group="schema/model", name="toy", node=ToyConfig)
     for name, schema in backends.schemas().items():

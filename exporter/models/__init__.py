@@ -10,6 +10,7 @@ import torch
 from exporter.config import (
     CustomModelConfig,
     DimBounds,
+    EncoderConfig,
     LlamaConfig,
     MaskedConfig,
     MlpConfig,
@@ -18,7 +19,7 @@ from exporter.config import (
     ToyConfig,
 )
 from exporter.errors import ConfigError
-from exporter.models import custom, llama, masked, mlp, moe, toys
+from exporter.models import custom, encoder, llama, masked, mlp, moe, toys
 from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
 
 _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
@@ -26,6 +27,7 @@ _BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
     MlpConfig: mlp.declare,
     MoeConfig: moe.declare,
     MaskedConfig: masked.declare,
+    EncoderConfig: encoder.declare,
     CustomModelConfig: custom.declare,
     ToyConfig: toys.declare,
 }
