@@ -37,7 +37,7 @@ from exporter.export import Exported
 from exporter.files import write_bytes, write_json
 from exporter.record import JobRecord, now_ms
 from exporter.validate import goldens
-from exporter.validate.plan import label, plan
+from exporter.validate.plan import plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
@@ -132,7 +132,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
         else:
             folder, record.cache_hits["goldens"] = cache.fetch(
                 "goldens",
-                {**material, "shapes": shapes, "seed": seed},
+                {**material, "shapes": shapes, "seed": seed, "goldens": goldens.VERSION},
                 lambda out: goldens.save(goldens.compute(bundle, shapes, seed), out),
             )
             expected = goldens.load(folder)
@@ -141,14 +141,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     write_json(run_dir / REPORT_FILE, report.to_json())
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
     if not report.passed:
-        failed = ", ".join(
-            f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in report.failures()
-        )
-        raise ValidationFailed(
-            f"{len(report.failures())} of {len(report.shapes)} live shapes differ from eager "
-            f"beyond atol={report.atol:g} rtol={report.rtol:g}: {failed}. "
-            f"The smallest atol that would pass them all is {report.worst('needed_atol'):.3g}."
-        )
+        raise ValidationFailed(report.failure_message())
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
 
 

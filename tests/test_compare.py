@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from exporter.validate.compare import compare
+from exporter.validate.compare import OutputStats, compare
+from exporter.validate.report import Execution, Report
 
 
 def test_identical_outputs_pass_with_zero_error() -> None:
     golden = torch.arange(12, dtype=torch.float64).reshape(3, 4)
-    stats = compare("y", golden.float(), golden, atol=0.0, rtol=0.0)
+    stats = compare("y", golden.float(), golden, torch.float32, atol=0.0, rtol=0.0)
     assert stats.passed
     assert (stats.max_abs, stats.mean_abs, stats.nrmse, stats.needed_atol) == (0, 0, 0, 0)
     assert stats.failing == 0
@@ -21,7 +22,7 @@ def test_identical_outputs_pass_with_zero_error() -> None:
 def test_statistics_of_a_known_error() -> None:
     golden = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     actual = torch.tensor([1.0, 2.0, 3.0, 4.1], dtype=torch.float64)
-    stats = compare("y", actual, golden, atol=0.01, rtol=0.01)
+    stats = compare("y", actual, golden, torch.float64, atol=0.01, rtol=0.01)
     assert stats.max_abs == pytest.approx(0.1)
     assert stats.mean_abs == pytest.approx(0.025)
     assert stats.max_rel == pytest.approx(0.025)
@@ -31,28 +32,85 @@ def test_statistics_of_a_known_error() -> None:
     assert stats.failing == 1
     # rel 0.025 > rtol, so only an atol of at least 0.1 passes that element.
     assert stats.needed_atol == pytest.approx(0.1)
-    assert compare("y", actual, golden, atol=stats.needed_atol, rtol=0.01).passed
+    assert compare("y", actual, golden, torch.float64, atol=stats.needed_atol, rtol=0.01).passed
 
 
 def test_an_element_passes_on_rtol_alone() -> None:
     golden = torch.tensor([1000.0], dtype=torch.float64)
-    stats = compare("y", torch.tensor([1000.5]), golden, atol=0.1, rtol=1e-3)
+    stats = compare("y", torch.tensor([1000.5]), golden, torch.float32, atol=0.1, rtol=1e-3)
     assert stats.passed
     assert stats.needed_atol == 0
 
 
-def test_nan_and_inf_never_pass() -> None:
-    golden = torch.tensor([1.0, math.inf], dtype=torch.float64)
-    for actual in (torch.tensor([math.nan, math.inf]), torch.tensor([1.0, math.inf])):
-        stats = compare("y", actual, golden, atol=1e9, rtol=1e9)
-        assert not stats.passed
-        assert stats.nonfinite >= 1
-        assert stats.needed_atol == math.inf
+def test_an_infinity_passes_against_the_same_infinity_with_zero_error() -> None:
+    golden = torch.tensor([1.0, math.inf, -math.inf, 4.0], dtype=torch.float64)
+    actual = torch.tensor([1.0, math.inf, -math.inf, 4.5])
+    stats = compare("y", actual, golden, torch.float32, atol=0.0, rtol=0.0)
+    # Only the 0.5 at the last element is an error; the infinities contribute 0.
+    assert (stats.max_abs, stats.mean_abs) == (0.5, 0.125)
+    assert stats.nrmse == pytest.approx(math.sqrt(0.25 / 4) / math.sqrt(17 / 4))
+    assert (stats.nonfinite, stats.failing, stats.needed_atol) == (0, 1, 0.5)
+    assert not stats.passed
+    assert compare("y", actual, golden, torch.float32, atol=0.5, rtol=0.0).passed
+    same = compare("y", golden.float(), golden, torch.float32, atol=0.0, rtol=0.0)
+    assert same.passed
+    assert (same.max_abs, same.max_rel, same.p99_abs, same.nrmse) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("actual", "golden"),
+    [
+        ([math.inf, 2.0], [1.0, 2.0]),
+        ([1.0, 2.0], [math.inf, 2.0]),
+        ([-math.inf, 2.0], [math.inf, 2.0]),
+        ([math.inf, 2.0], [-math.inf, 2.0]),
+        ([math.nan, 2.0], [1.0, 2.0]),
+        ([1.0, 2.0], [math.nan, 2.0]),
+        ([math.nan, 2.0], [math.nan, 2.0]),
+    ],
+    ids=[
+        "inf-vs-finite",
+        "finite-vs-inf",
+        "-inf-vs-inf",
+        "inf-vs--inf",
+        "nan",
+        "nan-golden",
+        "nan-both",
+    ],
+)
+def test_a_nonfinite_element_fails_unless_it_is_the_same_infinity(
+    actual: list[float], golden: list[float]
+) -> None:
+    stats = compare(
+        "y",
+        torch.tensor(actual),
+        torch.tensor(golden, dtype=torch.float64),
+        torch.float32,
+        atol=1e9,
+        rtol=1e9,
+    )
+    assert not stats.passed
+    assert (stats.nonfinite, stats.failing) == (1, 1)
+    assert stats.max_abs == math.inf
+    assert stats.needed_atol == math.inf
+
+
+def test_an_output_of_another_dtype_fails_however_close_its_values() -> None:
+    golden = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    stats = compare("y", golden.clone(), golden, torch.float32, atol=1e-3, rtol=1e-3)
+    assert not stats.passed
+    assert (stats.dtype, stats.expected_dtype) == ("float64", "float32")
+    # The values are still measured, and they match.
+    assert (stats.max_abs, stats.failing, stats.needed_atol) == (0, 0, 0)
+    assert not stats.values_differ
+    right = compare("y", golden.float(), golden, torch.float32, atol=1e-3, rtol=1e-3)
+    assert right.passed
+    assert (right.dtype, right.expected_dtype) == ("float32", "float32")
 
 
 def test_a_shape_that_differs_from_eager_fails() -> None:
     golden = torch.zeros(1, 5, 8, dtype=torch.float64)
-    stats = compare("logits", torch.zeros(1, 4, 8), golden, atol=1.0, rtol=1.0)
+    stats = compare("logits", torch.zeros(1, 4, 8), golden, torch.float32, atol=1.0, rtol=1.0)
     assert not stats.passed
     assert stats.shape == (1, 4, 8)
     assert stats.golden_shape == (1, 5, 8)
@@ -61,4 +119,29 @@ def test_a_shape_that_differs_from_eager_fails() -> None:
 def test_p99_is_the_nearest_rank() -> None:
     golden = torch.zeros(101, dtype=torch.float64)
     actual = torch.arange(101, dtype=torch.float64)
-    assert compare("y", actual, golden, atol=0, rtol=0).p99_abs == 99.0
+    assert compare("y", actual, golden, torch.float64, atol=0, rtol=0).p99_abs == 99.0
+
+
+def report_of(*outputs: OutputStats) -> Report:
+    shape = {"seq": 4}
+    return Report(0.0, 0.0, ("y", "z"), (shape,), (Execution(shape, "reused", 1.0, outputs),))
+
+
+def test_the_failure_message_names_a_wrong_dtype_without_an_atol_that_cannot_fix_it() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    wrong = compare("y", golden.clone(), golden, torch.float32, atol=0.0, rtol=0.0)
+    right = compare("z", golden.float(), golden, torch.float32, atol=0.0, rtol=0.0)
+    report = report_of(wrong, right)
+    assert not report.passed
+    assert report.failure_message() == "output y is float64 where eager gives float32."
+
+
+def test_the_failure_message_gives_the_dtype_and_the_values_that_differ() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    wrong = compare("y", golden.clone(), golden, torch.float32, atol=0.0, rtol=0.0)
+    off = compare("z", torch.tensor([1.0, 2.5]), golden, torch.float32, atol=0.0, rtol=0.0)
+    assert report_of(wrong, off).failure_message() == (
+        "output y is float64 where eager gives float32. 1 of 1 live shapes differ from eager "
+        "beyond atol=0 rtol=0: seq=4 (max_abs 0.5). The smallest atol that would pass them all "
+        "is 0.5."
+    )

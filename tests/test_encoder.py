@@ -44,6 +44,8 @@ def test_encoder_on_executorch_passes_at_every_corner_and_the_diagonal(
     report = encoder_job.report()
     assert report["passed"]
     assert all(entry["max_abs"] < 1e-5 for entry in report["shapes"])
+    outputs = [output for execution in report["executions"] for output in execution["outputs"]]
+    assert {(o["dtype"], o["expected_dtype"]) for o in outputs} == {("float32", "float32")}
     # Only the LayerNorms stay off XNNPACK: attention is bmm and softmax, which it takes.
     partition = json.loads((encoder_job.run_dir / "partition.json").read_text())
     assert partition["ops_outside"] == {"aten.native_layer_norm.default": 2}

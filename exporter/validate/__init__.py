@@ -78,7 +78,7 @@ def _execute(
     atol: float,
     rtol: float,
 ) -> Execution:
-    inputs, expected_outputs = goldens[label(shape)]
+    inputs, expected_outputs = goldens.cases[label(shape)]
     start = time.perf_counter()
     try:
         outputs = instance.run(inputs)
@@ -93,9 +93,9 @@ def _execute(
             f"the model returns {len(expected_outputs)} ({', '.join(bundle.output_names)})."
         )
     stats = tuple(
-        compare(name, actual, expected, atol, rtol)
-        for name, actual, expected in zip(
-            bundle.output_names, outputs, expected_outputs, strict=True
+        compare(name, actual, expected, dtype, atol, rtol)
+        for name, actual, expected, dtype in zip(
+            bundle.output_names, outputs, expected_outputs, goldens.output_dtypes, strict=True
         )
     )
     return Execution(shape, kind, latency_ms, stats)

@@ -75,6 +75,31 @@ class Report:
     def failures(self) -> list[ShapeResult]:
         return [result for result in self.by_shape() if not result.passed]
 
+    def failure_message(self) -> str:
+        """Why validation failed: each output whose dtype is not eager's (no tolerance can pass
+        it), then the live shapes whose values differ beyond the tolerances, with the atol
+        that would pass them; a wrong dtype alone names no atol, which would be no fix."""
+        outputs = [output for execution in self.executions for output in execution.outputs]
+        sentences = list(
+            dict.fromkeys(
+                f"output {o.name} is {o.dtype} where eager gives {o.expected_dtype}."
+                for o in outputs
+                if o.dtype != o.expected_dtype
+            )
+        )
+        differ = [e.shape for e in self.executions if any(o.values_differ for o in e.outputs)]
+        differing = [result for result in self.by_shape() if result.shape in differ]
+        if differing:
+            failed = ", ".join(
+                f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in differing
+            )
+            sentences.append(
+                f"{len(differing)} of {len(self.shapes)} live shapes differ from eager beyond "
+                f"atol={self.atol:g} rtol={self.rtol:g}: {failed}. The smallest atol that would "
+                f"pass them all is {self.worst('needed_atol'):.3g}."
+            )
+        return " ".join(sentences)
+
     def table(self) -> str:
         rows = [
             [
