@@ -26,7 +26,7 @@ from tabulate import tabulate
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from exporter import config, models  # noqa: E402
+from exporter import config, config_store, models  # noqa: E402
 from exporter.validate.plan import label, plan  # noqa: E402
 from runtimes import load  # noqa: E402
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    config.register_schemas()
+    config_store.register_schemas()
     with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base="1.3"):
         job = config.to_job(compose("config", overrides=args.overrides))
     bundle = models.build(job.model, job.dynamic)

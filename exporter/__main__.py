@@ -1,3 +1,5 @@
 from exporter.cli import main
 
-main()
+# Guarded: a job's worker process (multiprocessing's spawn) may import this module again.
+if __name__ == "__main__":
+    main()

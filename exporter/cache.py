@@ -4,7 +4,9 @@ An entry is `<root>/<kind>/<key>/` with a `manifest.json`, written last, that re
 material and each file's size and SHA-256. An entry is used only when its manifest matches its
 files; a partial or corrupt one is removed and rebuilt. Entries are built in a staging folder
 and renamed into place, so parallel jobs never see half an entry, and when two build the same
-one, the first rename wins and the other's copy is dropped.
+one, the first rename wins and the other's copy is dropped. A staging folder is named after the
+process that builds it: one whose process is gone (killed mid-build) is removed by the next
+build of its kind.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,7 +51,8 @@ class Cache:
             log.warning("[cache] %s entry %s is unusable (%s); rebuilding it", kind, entry, problem)
             shutil.rmtree(entry, ignore_errors=True)
         entry.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".staging-{entry.name}-"))
+        _remove_orphans(entry.parent)
+        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=_staging_prefix(entry.name)))
         try:
             build(staging)
             _write_manifest(staging, material)
@@ -61,6 +66,41 @@ class Cache:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("[cache] stored: %s %s", kind, entry)
         return entry, False
+
+    def remove_staging_of(self, pid: int) -> None:
+        """Removes the staging folders process `pid` of this host left (it died building)."""
+        for kind in self.root.iterdir() if self.root.is_dir() else ():
+            for staging in kind.glob(f".staging-*-{_owner(pid)}-*"):
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_prefix(key: str) -> str:
+    return f".staging-{key}-{_owner(os.getpid())}-"
+
+
+def _owner(pid: int) -> str:
+    # With the host: a cache on a shared file system has staging folders of other machines'
+    # processes, whose liveness this one cannot judge.
+    return f"pid{pid}@{socket.gethostname()}"
+
+
+def _remove_orphans(kind_dir: Path) -> None:
+    """Removes the staging folders of this host's processes that no longer run."""
+    owned = re.compile(rf"-pid(\d+)@{re.escape(socket.gethostname())}-")
+    for staging in kind_dir.glob(".staging-*"):
+        match = owned.search(staging.name)
+        if match and not _running(int(match[1])):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process, alive
+        pass
+    return True
 
 
 def link_files(entry: Path, out_dir: Path) -> list[Path]:

@@ -2,6 +2,9 @@
 
 With `-m`, Hydra runs one job per combination of the options given, through the configured
 launcher (`hydra/launcher=joblib` for parallel jobs); exporter.sweep ties them together.
+
+Only Hydra and the schemas are imported here: help, the composed config and configuration
+errors answer without loading torch, which each job's worker process loads for its stages.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from exporter import config, pipeline, sweep
+from exporter import config_store, job_process, sweep
 from exporter.config import PROJECT_ROOT
 from exporter.errors import ConfigError
+from exporter.record import JobContext
 
-config.register_schemas()
+config_store.register_schemas()
 
 # Exit codes of the jobs run in this process; Hydra drops a job's return value.
 _exit_codes: list[int] = []
@@ -34,10 +38,12 @@ def run_job(cfg: DictConfig) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         run_name = run_dir.name
         parent_run_id = sweep.parent_run_id(Path(hydra_cfg.sweep.dir), cfg.mlflow.tracking_uri)
-    exit_code = pipeline.run(cfg, run_dir, choices, run_name, parent_run_id)
+    context = JobContext(run_dir, choices, run_name, parent_run_id)
+    logging_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
+    exit_code = job_process.run(cfg, context, logging_config)
     _exit_codes.append(exit_code)
-    if exit_code == 130:
-        # The job has recorded its interruption; Ctrl-C must still stop a sweep's next jobs.
+    if exit_code > 128:
+        # The job has recorded that it was stopped; a sweep's next jobs must not start.
         raise KeyboardInterrupt
 
 
@@ -52,5 +58,6 @@ def main() -> None:
         raise
     except KeyboardInterrupt:
         sweep.finish_interrupted()
-        sys.exit(130)
+        # A stopped job's own code (130 for Ctrl-C, 143 for SIGTERM), or Ctrl-C between jobs.
+        sys.exit(_exit_codes[-1] if _exit_codes and _exit_codes[-1] > 128 else 130)
     sys.exit(max(_exit_codes + sweep.exit_codes(), default=0))

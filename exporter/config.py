@@ -1,17 +1,18 @@
-"""Typed schemas of a job, registered in Hydra's ConfigStore: a wrong key or type fails at compose.
+"""Typed schemas of a job, stored in Hydra's ConfigStore (exporter/config_store.py): a wrong key
+or type fails at compose.
 
-The YAML files in `conf/` pick a schema from the `schema/<group>` entries stored here and fill
-in its values; `JobConfig.__post_init__` checks what types alone cannot (bounds, tolerances).
+The YAML files in `conf/` pick a schema from the `schema/<group>` entries and fill in its
+values; `JobConfig.__post_init__` checks what types alone cannot (bounds, tolerances).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from difflib import get_close_matches
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -60,6 +61,10 @@ class LlamaConfig(ModelConfig):
     intermediate_size: int = MISSING
     vocab_size: int = MISSING
     max_position_embeddings: int = MISSING
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
+            raise ConfigError(f"model.checkpoint={self.checkpoint}: no such directory.")
 
 
 @dataclass
@@ -246,10 +251,21 @@ class ValidateConfig:
 
 @dataclass
 class MlflowConfig:
+    """`artifact_location`: where a new experiment keeps its files; empty lets the store decide
+    (a tracking server's --artifacts-destination)."""
+
     enabled: bool = MISSING
     tracking_uri: str = ""
     artifact_location: str = ""
     experiment: str = "exporter"
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.tracking_uri:
+            raise ConfigError(
+                "mlflow.tracking_uri is not set; give the store to log to, e.g. "
+                "mlflow.tracking_uri=http://HOST:5000 for mlflow=server, or use mlflow=local "
+                "(a SQLite file under outputs/) or mlflow=off."
+            )
 
 
 @dataclass
@@ -312,34 +328,46 @@ class JobConfig:
         return self.backend.rtol if self.validate.rtol is None else self.validate.rtol
 
 
-def register_schemas() -> None:
-    """Stores the schemas that conf/ selects, each backend module's among them. Called by the
-    command before Hydra composes, and by anything else that composes (tests, benchmarks)."""
-    from exporter import backends
-
-    store = ConfigStore.instance()
-    store.store(name="job_schema", node=JobConfig)
-    store.store(group="schema/model", name="llama", node=LlamaConfig)
-    store.store(group="schema/model", name="mlp", node=MlpConfig)
-    store.store(group="schema/model", name="moe", node=MoeConfig)
-    store.store(group="schema/model", name="masked", node=MaskedConfig)
-    store.store(group="schema/model", name="encoder", node=EncoderConfig)
-    store.store(group="schema/model", name="custom", node=CustomModelConfig)
-    store.store(group="schema/model", name="toy", node=ToyConfig)
-    for name, schema in backends.schemas().items():
-        store.store(group="schema/backend", name=name, node=schema)
-    store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
-    store.store(group="schema/validate", name="validate", node=ValidateConfig)
-    store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)
-
-
 def to_job(cfg: DictConfig) -> JobConfig:
-    """The composed config as typed objects; raises ConfigError for values the schema rejects."""
+    """The composed config as typed objects; raises ConfigError for keys and values the schema
+    rejects."""
+    _check_keys(cfg)
     try:
         job: Any = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as error:
         raise ConfigError(str(error)) from error
     return job
+
+
+def _check_keys(cfg: DictConfig) -> None:
+    """Raises ConfigError naming every key no schema declares, with the nearest valid key.
+
+    Hydra lets `+key=value` add a key anywhere, and converting to the typed schema drops what
+    it does not know: a typo such as `+validat.atol=1` would be ignored without a word."""
+    known: list[str] = []
+    unknown: list[str] = []
+
+    def walk(node: DictConfig, prefix: str, inside_unknown: bool) -> None:
+        schema = OmegaConf.get_type(node)
+        declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+        for key, value in node.items_ex(resolve=False):
+            path = f"{prefix}{key}"
+            stray = inside_unknown or (declared is not None and key not in declared)
+            if isinstance(value, DictConfig) and len(value):
+                walk(value, f"{path}.", stray)
+            else:
+                (unknown if stray else known).append(path)
+
+    walk(cfg, "", inside_unknown=False)
+    if unknown:
+        named = "; ".join(
+            f"+{key} (nearest valid key: {get_close_matches(key, known, n=1, cutoff=0)[0]})"
+            for key in unknown
+        )
+        raise ConfigError(
+            f"unknown key {named}. The job's schema has no such key; `python -m exporter "
+            "--cfg job` prints every key it has."
+        )
 
 
 def mlflow_of(cfg: DictConfig) -> MlflowConfig:
@@ -362,5 +390,10 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
         else:
             flat[prefix.rstrip(".")] = str(node)
 
-    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except OmegaConfBaseException:
+        # A config rejected for a value that does not resolve still gets its params, as written.
+        container = OmegaConf.to_container(cfg, enum_to_str=True)
+    walk(container, "")
     return flat

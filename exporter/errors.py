@@ -1,4 +1,5 @@
-"""Errors a job can end with: each names its stage and carries the exit code DESIGN.md assigns."""
+"""Errors a job can end with: each names its stage and carries the exit code DESIGN.md assigns,
+so a failure is reported by where it happened, not by what happened to be running around it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ class ConfigError(ExporterError):
     exit_code = 2
 
 
+class TrackingUnavailable(ConfigError):
+    """The MLflow store that mlflow.tracking_uri names cannot be opened or reached: found before
+    any work, and fixed in the configuration (or by starting the server)."""
+
+    stage = "track"
+
+
 class ExportFailed(ExporterError):
     stage = "export"
     exit_code = 3
@@ -31,12 +39,39 @@ class LoweringFailed(ExporterError):
 
 
 class RuntimeFailed(ExporterError):
+    """The artifact's runtime could not load or run it."""
+
     stage = "runtime"
     exit_code = 5
 
 
+class ModelFailed(ExporterError):
+    """The model itself failed in eager PyTorch, before any artifact was judged: building it."""
+
+    stage = "model"
+    exit_code = 6
+
+
+class GoldensFailed(ModelFailed):
+    """The float64 oracle could not run the model on a planned input."""
+
+    stage = "goldens"
+
+
 class TrackingFailed(ExporterError):
-    """The MLflow store could not be written; a configuration problem in every case seen so far."""
+    """The job ran, but its MLflow run could not be written; the run dir holds its results."""
 
     stage = "track"
-    exit_code = 2
+    exit_code = 7
+
+
+# The error an unexpected exception (or a crash of the job's process) in each stage becomes.
+STAGE_ERRORS: dict[str, type[ExporterError]] = {
+    "config": ConfigError,
+    "model": ModelFailed,
+    "export": ExportFailed,
+    "lower": LoweringFailed,
+    "goldens": GoldensFailed,
+    "validate": RuntimeFailed,
+    "track": TrackingFailed,
+}

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
 
 
 def code_of(
@@ -90,9 +91,10 @@ def _imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[
     """Each import in the tree as the module names it may mean, the likeliest first: `from a.b
     import c` is module a.b.c if there is one, else a.b. A submodule's parent packages are not
     listed: a package's `__init__` may import every sibling (every model), and one model's key
-    must not change when another model's file is edited."""
+    must not change when another model's file is edited. Imports under `if TYPE_CHECKING:`
+    never run, so they are not followed."""
     package = module.split(".") if is_package else module.split(".")[:-1]
-    for node in ast.walk(tree):
+    for node in _running_nodes(tree):
         if isinstance(node, ast.Import):
             yield from ((alias.name,) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -104,6 +106,16 @@ def _imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[
                 continue  # beyond the top-level package: fails at import time, imports nothing
             base = base.strip(".")
             yield from ((f"{base}.{alias.name}", base) for alias in node.names)
+
+
+def _running_nodes(node: ast.AST) -> Iterator[ast.AST]:
+    """Every node of the tree but those under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and ast.unparse(child.test) in _TYPE_CHECKING:
+            yield from (n for orelse in child.orelse for n in (orelse, *_running_nodes(orelse)))
+            continue
+        yield child
+        yield from _running_nodes(child)
 
 
 def _find(module: str, roots: Sequence[Path]) -> Path | None:

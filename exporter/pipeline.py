@@ -1,43 +1,36 @@
-"""One job, stage by stage: config -> model -> export -> lower -> run and validate -> track.
+"""One job, stage by stage: config -> model -> export -> lower -> goldens -> validate -> track.
 
-Each stage takes what the previous one returned. A stage's failure becomes the ExporterError of
-that stage, whose exit code the job returns; the run dir keeps every file written before it.
-Exported programs, goldens and lowered artifacts come from the cache when a job before this one
-made them from the same inputs; the run dir gets links to them either way.
+Runs in the job's worker process (exporter/job_process.py). Each stage takes what the previous
+one returned. A stage's failure becomes the ExporterError of that stage, whose exit code the job
+returns; the run dir keeps every file written before it. Exported programs, goldens and lowered
+artifacts come from the cache when a job before this one made them from the same inputs (the
+same config, code and libraries: exporter/cache_keys.py); the run dir gets links to them either
+way. The job's MLflow run is opened when the job starts and closed when it ends.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import shutil
+import signal
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, comparison, config, export, models, tracking, validate
+from exporter import backends, cache_keys, config, export, interrupts, models, validate
 from exporter.backends import Artifact
-from exporter.cache import Cache, link_files
-from exporter.errors import (
-    ConfigError,
-    ExporterError,
-    ExportFailed,
-    LoweringFailed,
-    RuntimeFailed,
-    ValidationFailed,
-)
+from exporter.cache import Cache, key_of, link_files
+from exporter.errors import STAGE_ERRORS, ExporterError, RuntimeFailed, ValidationFailed
 from exporter.export import Exported
 from exporter.files import write_bytes, write_json
-from exporter.record import JobRecord, now_ms
+from exporter.record import JobContext, JobRecord, conclude, keep_traceback, open_run
 from exporter.validate import goldens
-from exporter.validate.plan import plan
+from exporter.validate.plan import LiveShape, plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
@@ -45,73 +38,76 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
 CONFIG_FILE = "config.yaml"
-TRACEBACK_FILE = "traceback.txt"
+
+# Tells the command's process how far the job got: ("run_id", id), ("stage", name).
+Notify = Callable[[str, str], None]
 
 
-def run(
-    cfg: DictConfig,
-    run_dir: Path,
-    choices: Mapping[str, str],
-    run_name: str,
-    parent_run_id: str | None = None,
-) -> int:
-    """Runs one job and returns its exit code (0 ok, 1 validation failed, 2..5 a stage failed).
-
-    `parent_run_id`: the sweep's MLflow run to nest this job's run under, if any.
-    """
-    record = JobRecord(run_dir=run_dir)
-    store = None
+def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Notify) -> int:
+    """Runs one job and returns its exit code (0 passed, 1 validation failed, 2..7 where it
+    failed, 128 + the signal that stopped it)."""
+    record = JobRecord(run_dir=context.run_dir)
+    store = run_id = None
     try:
-        mlflow = config.mlflow_of(cfg)
-        # Opened before the rest of the config is checked: a job of a sweep with a bad value
-        # elsewhere still gets its FAILED run; a bad tracking URI costs no work.
-        store = tracking.open_store(mlflow) if mlflow.enabled else None
-        job = config.to_job(cfg)
-        write_bytes(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
-        _run_stages(job, record)
+        write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
+        with _stage(record, "config", notify):
+            backends.check_target(job)
+        # The run opens as the work starts: a job stopped by its configuration leaves none.
+        if job.mlflow.enabled:
+            from exporter import comparison, tracking
+
+            store = tracking.open_store(job.mlflow)
+            run_id = tracking.start_run(
+                store,
+                context.run_name,
+                record.started_ms,
+                config.flatten(cfg),
+                comparison.group_choices(context.choices),
+                context.parent_run_id,
+            )
+            notify("run_id", run_id)
+        _run_stages(job, record, notify)
     except ExporterError as error:
         record.error = error
         log.error("[%s] %s", error.stage, error)
-        _keep_traceback(error, run_dir)
+        keep_traceback(error, record.run_dir)
+        if run_id is None and context.parent_run_id:
+            # A sweep's comparison and parent run need every job's run, a refused one too.
+            store, run_id = open_run(cfg, context, record)
     except KeyboardInterrupt:
-        record.interrupted = True
-        log.error("interrupted; the run dir keeps what was written: %s", run_dir)
-    record.ended_ms = now_ms()
-    groups = comparison.group_choices(choices)
-    summary = comparison.JobSummary.of(record, groups)
-    summary.write(run_dir)
-    comparison.write_plots([summary], [run_name], run_dir)
-
-    if store is not None:
-        try:
-            params = config.flatten(cfg)
-            tracking.log_job(store, record, summary, params, run_name, parent_run_id)
-        except ExporterError as error:
-            log.error("[%s] %s", error.stage, error)
-            return record.exit_code or error.exit_code
-    return record.exit_code
+        record.stopped_by = signal.SIGINT
+        log.error(
+            "[%s] stopped by Ctrl-C; the run dir keeps what was written: %s",
+            record.stage,
+            record.run_dir,
+        )
+    return conclude(record, context, store, run_id)
 
 
-def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
+def _run_stages(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     run_dir = record.run_dir
     cache = Cache(Path(job.cache_dir)) if job.cache else None
-    with _stage(record, "model", ConfigError):
-        backends.check_target(job)
+    with _stage(record, "model", notify):
         bundle = models.build(job.model, job.dynamic)
-        # The cache key of the exported program; the goldens' and artifact's keys extend it.
-        material = _export_material(job)
+        model_material = cache_keys.model(job)
     if job.artifact:
         artifact = backends.adopt(Path(job.artifact), job)
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
-        with _stage(record, "export", ExportFailed):
-            exported = _export(cache, record, job, bundle, material)
-        with _stage(record, "lower", LoweringFailed):
-            artifact = _lower(cache, record, job, exported, material)
+        with _stage(record, "export", notify):
+            export_material = cache_keys.export(job, model_material)
+            exported = _export(cache, record, job, bundle, export_material)
+        with _stage(record, "lower", notify):
+            artifact = _lower(cache, record, job, exported, export_material)
     record.artifact = artifact
     if artifact.runtime is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
         return
+
+    with _stage(record, "goldens", notify):
+        seed = job.validate.seed
+        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+        expected = _goldens(cache, record, job, bundle, model_material, shapes)
 
     def load() -> Loaded:
         try:
@@ -122,20 +118,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    with _stage(record, "validate", RuntimeFailed):
-        seed = job.validate.seed
-        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
-        # Goldens are kept in the cache only, never in the run dir: they are not a result, and
-        # can be larger than the artifact.
-        if cache is None:
-            expected = goldens.compute(bundle, shapes, seed)
-        else:
-            folder, record.cache_hits["goldens"] = cache.fetch(
-                "goldens",
-                {**material, "shapes": shapes, "seed": seed, "goldens": goldens.VERSION},
-                lambda out: goldens.save(goldens.compute(bundle, shapes, seed), out),
-            )
-            expected = goldens.load(folder)
+    with _stage(record, "validate", notify):
         report = validate.run(bundle, load, shapes, expected, job.atol, job.rtol)
     record.report = report
     write_json(run_dir / REPORT_FILE, report.to_json())
@@ -145,7 +128,7 @@ def _run_stages(job: config.JobConfig, record: JobRecord) -> None:
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
 
 
-@contextmanager
+@contextlib.contextmanager
 def _built(
     cache: Cache | None,
     record: JobRecord,
@@ -156,6 +139,7 @@ def _built(
     """Yields the folder holding the files `build(folder)` writes: the cache's entry for
     `material`, built only if no job built it before, or with the cache off, a folder of its
     own in the run dir, removed on exit. The caller links what it accepts into the run dir."""
+    record.cache_keys[kind] = key_of(material)
     if cache is not None:
         entry, record.cache_hits[kind] = cache.fetch(kind, material, build)
         yield entry
@@ -200,12 +184,7 @@ def _lower(
     exported: Exported,
     export_material: dict[str, Any],
 ) -> Artifact:
-    material = {
-        **export_material,
-        "backend": dataclasses.asdict(job.backend),
-        "fallback": job.fallback.partitioning(),
-        "toolchain": backends.toolchain(job),
-    }
+    material = cache_keys.lower(job, export_material)
     with _built(
         cache, record, "lower", material, lambda out: backends.lower(exported, job, out)
     ) as folder:
@@ -215,26 +194,37 @@ def _lower(
     return backends.lowered_in(record.run_dir, job)
 
 
-def _export_material(job: config.JobConfig) -> dict[str, Any]:
-    """What determines the exported program, and with a seed and shapes, the goldens too."""
-    material: dict[str, Any] = {
-        "model": dataclasses.asdict(job.model),
-        "dynamic": {name: [b.min, b.max, b.mode.value] for name, b in sorted(job.dynamic.items())},
-        "on_failure": job.export.on_failure.value,
-        "torch": torch.__version__,
-    }
-    # A checkpoint or a factory's source rewritten in place is another model.
-    material["model_files"] = {
-        str(path): [path.stat().st_size, path.stat().st_mtime_ns]
-        for path in models.source_files(job.model)
-    }
-    return material
+def _goldens(
+    cache: Cache | None,
+    record: JobRecord,
+    job: config.JobConfig,
+    bundle: models.ModelBundle,
+    model_material: dict[str, Any],
+    shapes: list[LiveShape],
+) -> goldens.Goldens:
+    """The planned inputs and the float64 oracle's outputs for them. Kept in the cache only,
+    never in the run dir: they are not a result, and can be larger than the artifact."""
+    material = cache_keys.goldens(job, model_material, shapes)
+    record.cache_keys["goldens"] = key_of(material)
+
+    def compute() -> goldens.Goldens:
+        return goldens.compute(bundle, shapes, job.validate.seed)
+
+    if cache is None:
+        return compute()
+    folder, record.cache_hits["goldens"] = cache.fetch(
+        "goldens", material, lambda out: goldens.save(compute(), out)
+    )
+    return goldens.load(folder)
 
 
-@contextmanager
-def _stage(record: JobRecord, name: str, error_type: type[ExporterError]) -> Iterator[None]:
+@contextlib.contextmanager
+def _stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
     """Times and announces the stage; an unexpected exception in it becomes the stage's
-    ExporterError."""
+    ExporterError. Its start and end are the points where a requested stop happens."""
+    interrupts.check()
+    record.stage = name
+    notify("stage", name)
     log.info("[%s] started", name)
     start = time.perf_counter()
     try:
@@ -242,16 +232,8 @@ def _stage(record: JobRecord, name: str, error_type: type[ExporterError]) -> Ite
     except ExporterError:
         raise
     except Exception as error:
-        raise error_type(f"{type(error).__name__}: {error}") from error
+        raise STAGE_ERRORS[name](f"{type(error).__name__}: {error}") from error
     finally:
         record.seconds[name] = time.perf_counter() - start
     log.info("[%s] done in %.1f s", name, record.seconds[name])
-
-
-def _keep_traceback(error: ExporterError, run_dir: Path) -> None:
-    """The user sees the message; the traceback behind it is kept for a bug report."""
-    if error.__cause__ is None:
-        return
-    text = "".join(traceback.format_exception(error.__cause__))
-    path = write_bytes(run_dir / TRACEBACK_FILE, text.encode())
-    log.error("[%s] the traceback behind this error is in %s", error.stage, path)
+    interrupts.check()

@@ -1,22 +1,53 @@
-"""What one job produced, filled in stage by stage, and how it ended: the input of tracking."""
+"""What one job produced, filled in stage by stage, how it ended, and its ending: the summary in
+its run dir and the close of its MLflow run.
+
+A job's record is concluded by its worker process when the job ends, or by the command's
+process when the worker died (exporter/job_process.py): either way every job ends with a
+summary and, where tracking is on, an MLflow run with a final status.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from exporter.backends import Artifact
-from exporter.errors import ExporterError
-from exporter.export import Diagnosis
-from exporter.validate import Report
+from omegaconf import DictConfig
 
+from exporter import config
+from exporter.errors import ExporterError, TrackingFailed
+from exporter.files import write_bytes
+
+if TYPE_CHECKING:
+    from exporter.backends import Artifact
+    from exporter.export import Diagnosis
+    from exporter.tracking import Store
+    from exporter.validate import Report
+
+log = logging.getLogger(__name__)
+
+TRACEBACK_FILE = "traceback.txt"
 # MLflow's run status -> the word the `status` tag and the comparison table use for it.
-OUTCOMES = {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed"}
+OUTCOMES = {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed", "RUNNING": "running"}
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Where a job runs and under which names: Hydra's run dir and group choices, the MLflow
+    run's name and the sweep's parent run to nest it under."""
+
+    run_dir: Path
+    choices: Mapping[str, str]
+    run_name: str
+    parent_run_id: str | None = None
 
 
 @dataclass
@@ -24,27 +55,32 @@ class JobRecord:
     run_dir: Path
     started_ms: int = field(default_factory=now_ms)
     ended_ms: int | None = None
+    # The stage running, or the last one that ran.
+    stage: str | None = None
     # Wall seconds per stage that ran, in order: {"export": 1.2, "lower": 30.5, ...}.
     seconds: dict[str, float] = field(default_factory=dict)
     # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.
     diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
     report: Report | None = None
-    # Per cached stage (export, goldens, lower): whether its work came from the cache.
+    # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
+    # the cache.
+    cache_keys: dict[str, str] = field(default_factory=dict)
     cache_hits: dict[str, bool] = field(default_factory=dict)
     error: ExporterError | None = None
-    interrupted: bool = False
+    # The signal that stopped the job (SIGINT, SIGTERM), if one did.
+    stopped_by: int | None = None
 
     @property
     def exit_code(self) -> int:
-        if self.interrupted:
-            return 130
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
         return self.error.exit_code if self.error else 0
 
     @property
     def status(self) -> str:
         """MLflow's run status for how the job ended."""
-        if self.interrupted:
+        if self.stopped_by is not None:
             return "KILLED"
         return "FAILED" if self.error else "FINISHED"
 
@@ -52,3 +88,70 @@ class JobRecord:
     def outcome(self) -> str:
         """How the job ended, in the words of its `status` tag and the comparison table."""
         return OUTCOMES[self.status]
+
+    @property
+    def failed_stage(self) -> str | None:
+        if self.error:
+            return self.error.stage
+        return self.stage if self.stopped_by is not None else None
+
+
+def conclude(
+    record: JobRecord, context: JobContext, store: Store | None, run_id: str | None
+) -> int:
+    """Writes the ended job's summary and plots into its run dir and closes its MLflow run;
+    returns the job's exit code, or the tracking failure's where the job itself passed."""
+    # Imported here: the comparison reads JobRecord from this module.
+    from exporter import comparison
+
+    record.ended_ms = now_ms()
+    summary = comparison.JobSummary.of(record, comparison.group_choices(context.choices))
+    summary.write(record.run_dir)
+    comparison.write_plots([summary], [context.run_name], record.run_dir)
+    if store is None or run_id is None:
+        return record.exit_code
+    from exporter import tracking
+
+    try:
+        tracking.end_run(store, run_id, record, summary)
+    except TrackingFailed as error:
+        log.error("[%s] %s", error.stage, error)
+        return record.exit_code or error.exit_code
+    return record.exit_code
+
+
+def open_run(
+    cfg: DictConfig, context: JobContext, record: JobRecord, run_id: str | None = None
+) -> tuple[Store | None, str | None]:
+    """The job's MLflow store and run, the run opened here unless `run_id` names it: for a job
+    that ends without its worker having opened it. (None, None) where tracking is off or cannot
+    be opened, which is logged: the job's own ending matters more than its record's."""
+    from exporter import comparison, tracking
+
+    try:
+        mlflow = config.mlflow_of(cfg)
+        if not mlflow.enabled:
+            return None, None
+        store = tracking.open_store(mlflow)
+        if run_id is None:
+            run_id = tracking.start_run(
+                store,
+                context.run_name,
+                record.started_ms,
+                config.flatten(cfg),
+                comparison.group_choices(context.choices),
+                context.parent_run_id,
+            )
+    except ExporterError as error:
+        log.error("[%s] %s", error.stage, error)
+        return None, None
+    return store, run_id
+
+
+def keep_traceback(error: ExporterError, run_dir: Path) -> None:
+    """The user sees the message; the traceback behind it is kept for a bug report."""
+    if error.__cause__ is None:
+        return
+    text = "".join(traceback.format_exception(error.__cause__))
+    path = write_bytes(run_dir / TRACEBACK_FILE, text.encode())
+    log.error("[%s] the traceback behind this error is in %s", error.stage, path)

@@ -14,16 +14,19 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from exporter import comparison, tracking
+from exporter import comparison
 from exporter.config import mlflow_of
 from exporter.errors import ExporterError
 from exporter.files import write_json
-from exporter.record import OUTCOMES
+from exporter.record import OUTCOMES, now_ms
+
+if TYPE_CHECKING:
+    from exporter.tracking import Store
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ _NO_RESULT_EXIT_CODE = 1
 class _Sweep:
     dir: Path
     overrides: str
-    store: tracking.Store | None
+    store: Store | None
     parent_run_id: str | None
 
 
@@ -78,12 +81,14 @@ class SweepCallback(Callback):
         try:
             mlflow = mlflow_of(config)
             if mlflow.enabled:
+                from exporter import tracking
+
                 # Creating the store and experiment here, once, keeps parallel jobs from racing
                 # to create them.
                 store = tracking.open_store(mlflow)
                 tags = {"sweep.overrides": overrides, "sweep.dir": str(sweep_dir)}
                 name = f"sweep-{datetime.now():%Y-%m-%d-%H-%M-%S}"
-                parent = tracking.start_sweep_run(store, name, tags)
+                parent = tracking.start_run(store, name, now_ms(), {}, tags)
         except ExporterError as error:
             log.error("[%s] %s", error.stage, error)
             raise SystemExit(error.exit_code) from error
@@ -131,6 +136,8 @@ def _finish(sweep: _Sweep, interrupted: bool) -> None:
         "jobs_failed": len(failed),
     }
     files.append(sweep.dir / SWEEP_FILE)
+    from exporter import tracking
+
     try:
         tracking.end_sweep_run(sweep.store, sweep.parent_run_id, status, metrics, tags, files)
     except ExporterError as error:

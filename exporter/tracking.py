@@ -1,8 +1,11 @@
-"""The tracking stage: one MLflow run per job, written when the job has ended.
+"""The tracking stage: one MLflow run per job, opened RUNNING when the job starts and closed
+with its status when it ends.
 
-Written at the end, through MlflowClient, with the job's real start time: a job that fails
-half-way still gets its run, marked FAILED with the stage that failed, and nothing but this
-stage talks to the store. A sweep's jobs are nested under the sweep's parent run.
+Through MlflowClient: the run exists from the job's start with its params and Hydra's choices,
+so a job that is stopped or whose process dies still has a run (closed KILLED or FAILED with
+the stage it was in); its figures, files and status are written at the end. Nothing but this
+module talks to the store. A sweep's jobs are nested under the sweep's parent run. Imported only
+where tracking is on: a job with mlflow=off never imports mlflow.
 
 Jobs of a parallel sweep write to one SQLite file from several processes; SQLite lets one
 writer in at a time and makes the others fail with "database is locked" after a timeout, so
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,16 +27,20 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from exporter import tracking_server
 from exporter.comparison import JobSummary
 from exporter.config import MlflowConfig
-from exporter.errors import TrackingFailed
-from exporter.record import JobRecord, now_ms
+from exporter.errors import ExporterError, TrackingFailed, TrackingUnavailable
+from exporter.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import label, steps
 
 log = logging.getLogger(__name__)
 
 # log_batch's limits per call (MLflow REST API).
 _MAX_PARAMS, _MAX_METRICS, _MAX_TAGS = 100, 1000, 100
+# MLflow retries a failed HTTP request 7 times with exponential backoff, about four minutes in
+# all; a server that stopped answering should cost a job seconds. A user's own setting wins.
+_HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 @dataclass(frozen=True)
@@ -43,36 +51,50 @@ class Store:
 
 
 def open_store(cfg: MlflowConfig) -> Store:
-    """Opens the store and its experiment before the job's work, so a bad URI costs nothing."""
+    """Opens the store and its experiment before the job's work, so a bad URI costs nothing;
+    a tracking server that does not answer fails in seconds, naming the URI."""
+    if tracking_server.is_server(cfg.tracking_uri):
+        for name, value in _HTTP_RETRIES.items():
+            os.environ.setdefault(name, value)
+        tracking_server.probe(cfg.tracking_uri)
     try:
         with _serialized(cfg.tracking_uri):
             client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
             return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
     # Whatever stops the store from opening (a bad URI, a path that cannot be written, a server
-    # that does not answer) surfaces as a different exception type; all of them mean the same.
+    # that answers with an error) surfaces as a different exception type; all mean the same.
     except Exception as error:
-        raise TrackingFailed(
+        raise TrackingUnavailable(
             f"cannot open the MLflow store at mlflow.tracking_uri={cfg.tracking_uri}: {error}"
         ) from error
 
 
-def log_job(
+def start_run(
     store: Store,
-    record: JobRecord,
-    summary: JobSummary,
-    params: Mapping[str, str],
     run_name: str,
+    start_ms: int,
+    params: Mapping[str, str],
+    tags: Mapping[str, str],
     parent_run_id: str | None = None,
 ) -> str:
-    """Records the ended job as an MLflow run, nested under `parent_run_id` if given: its
-    summary's figures and tags, so the run and the comparison table say the same."""
-    tags = {**_tags(summary), **_step_tags(record)}
+    """Opens a job's run, RUNNING, with its params and tags (nested under `parent_run_id`)."""
+    tags = {"status": OUTCOMES["RUNNING"], **tags}
     if parent_run_id:
         tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
-    run_id = _create_run(store, record.started_ms, run_name)
+    run_id = _create_run(store, start_ms, run_name)
+    with _written(store, run_id, TrackingUnavailable), _serialized(store.uri):
+        _log_batched(store.client, run_id, params, [], tags)
+    log.info("[track] MLflow run %s (RUNNING) in %s", run_id, store.uri)
+    return run_id
+
+
+def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -> None:
+    """Records the ended job on its run: its summary's figures and tags, so the run and the
+    comparison table say the same, the run dir's files, and its status."""
     with _written(store, run_id):
         with _serialized(store.uri):
-            _log_batched(store.client, run_id, params, _metrics(record, summary), tags)
+            tags = {**_tags(summary), **_step_tags(record)}
+            _log_batched(store.client, run_id, {}, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
         store.client.log_artifacts(run_id, str(record.run_dir))
         if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
@@ -80,16 +102,6 @@ def log_job(
         with _serialized(store.uri):
             store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
     log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)
-    return run_id
-
-
-def start_sweep_run(store: Store, run_name: str, tags: Mapping[str, str]) -> str:
-    """The parent run of a sweep, open while its jobs run; returns its id."""
-    run_id = _create_run(store, now_ms(), run_name)
-    with _written(store, run_id), _serialized(store.uri):
-        _log_batched(store.client, run_id, {}, [], tags)
-    log.info("[track] sweep's parent MLflow run %s in %s", run_id, store.uri)
-    return run_id
 
 
 def end_sweep_run(
@@ -118,19 +130,28 @@ def _create_run(store: Store, start_ms: int, run_name: str) -> str:
                 store.experiment_id, start_time=start_ms, run_name=run_name
             )
     except Exception as error:
-        raise TrackingFailed(f"cannot create an MLflow run in {store.uri}: {error}") from error
+        raise TrackingUnavailable(f"cannot create an MLflow run in {store.uri}: {error}") from error
     return run.info.run_id
 
 
 @contextmanager
-def _written(store: Store, run_id: str) -> Iterator[None]:
-    """Writes to a created run: if one fails, the run is closed as FAILED, not left RUNNING."""
+def _written(
+    store: Store, run_id: str, failure: type[ExporterError] = TrackingFailed
+) -> Iterator[None]:
+    """Writes to a created run: if one fails, the run is closed as FAILED where the store still
+    answers, not left RUNNING, and `failure` is raised."""
     try:
         yield
     except Exception as error:
-        with _serialized(store.uri):
-            store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
-        raise TrackingFailed(f"MLflow run {run_id} could not be written: {error}") from error
+        try:
+            with _serialized(store.uri):
+                store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
+        except Exception as closing:
+            log.error("[track] MLflow run %s could not be closed either: %s", run_id, closing)
+        raise failure(
+            f"MLflow run {run_id} could not be written to {store.uri}: {error}. The run dir "
+            "keeps the job's results."
+        ) from error
 
 
 @contextmanager
@@ -210,14 +231,16 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     if summary.cache_hits:
         tags["cache_hit"] = str(any(summary.cache_hits.values())).lower()
         tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in summary.cache_hits.items()})
+    tags.update({f"cache_key.{kind}": key for kind, key in summary.cache_keys.items()})
     tags.update({f"target.{key}": value for key, value in summary.target.items()})
     if summary.export_failures:
         tags["export.failure_kinds"] = ",".join(summary.export_failures)
     if summary.draft:
         # The program came from draft_export: valid for inputs that branch like the example.
         tags["export.draft"] = "true"
+    if summary.failed_stage:
+        tags["failed_stage"] = summary.failed_stage
     if summary.error:
-        tags["failed_stage"] = str(summary.failed_stage)
         tags["error"] = summary.error[:5000]
         tags["mlflow.note.content"] = f"Failed at {summary.failed_stage}:\n\n{summary.error}"
     return tags

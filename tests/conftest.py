@@ -15,10 +15,10 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from exporter import config
+from exporter import config_store
 
 # Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
-config.register_schemas()
+config_store.register_schemas()
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"

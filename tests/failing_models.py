@@ -1,7 +1,10 @@
-"""Models written to fail torch.export, declared for `model=custom model.factory=...`."""
+"""Models written to fail, declared for `model=custom model.factory=...`: most fail torch.export;
+the last ones fail before it (building the model) or beside it (its float64 oracle, its
+warnings)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -74,3 +77,31 @@ def narrow_batch() -> ModelDeclaration:
 
 def branch_always_taken() -> ModelDeclaration:
     return _declaration(BranchAlwaysTaken())
+
+
+class RefusesFloat64(torch.nn.Module):
+    """Runs in float32 only, as a model with a float32-only kernel would: its oracle fails."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError("this kernel has no float64 implementation")
+        return x * 2
+
+
+class WarnsWhenTraced(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warnings.warn("a warning raised while torch.export traces the model", stacklevel=1)
+        return x + 1
+
+
+def refuses_float64() -> ModelDeclaration:
+    return _declaration(RefusesFloat64())
+
+
+def warns_when_traced() -> ModelDeclaration:
+    return _declaration(WarnsWhenTraced())
+
+
+def crashes_while_built() -> ModelDeclaration:
+    # A bug in the model's own code, not a configuration the user can fix by a key.
+    raise RuntimeError("the model's constructor failed")

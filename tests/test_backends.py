@@ -64,7 +64,7 @@ def test_the_readme_lists_it_among_the_backends(name: str) -> None:
 def test_composing_imports_no_toolchain() -> None:
     # Every backend module is imported to store its schema; none may pull torch in with it.
     code = (
-        "import sys; from exporter import config; config.register_schemas(); "
+        "import sys; from exporter import config_store; config_store.register_schemas(); "
         "heavy = {'torch', 'executorch', 'mlflow', 'transformers'} & set(sys.modules); "
         "assert not heavy, heavy"
     )

@@ -93,6 +93,14 @@ def test_a_library_not_installed_is_listed_as_such(tmp_path: Path) -> None:
     assert code_of(["m"], roots=(tmp_path,))["libraries"] == {"not_a_real_lib_xyz": "not installed"}
 
 
+def test_imports_only_a_type_checker_runs_are_not_followed(tree: Path) -> None:
+    (tree / "pkg" / "e.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg import d\nelse:\n    from pkg import c\n"
+    )
+    assert set(code_of(["pkg.e"], roots=(tree,))["sources"]) == {"pkg/e.py", "pkg/c.py"}
+
+
 def test_the_project_s_models_list_what_they_import() -> None:
     llama = code_of(["exporter.models.llama"])
     mlp = code_of(["exporter.models.mlp"])

@@ -11,7 +11,7 @@ from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM
 
 from exporter import models
-from exporter.config import CustomModelConfig, DimBounds, LlamaConfig
+from exporter.config import CustomModelConfig, DimBounds, LlamaConfig, MlpConfig
 from exporter.errors import ConfigError
 from tests.conftest import CliResult
 
@@ -74,15 +74,28 @@ def test_a_custom_factory_draws_its_random_weights_from_the_model_seed() -> None
 
 def test_files_a_model_is_read_from_key_its_cache_entries(checkpoint, tmp_path: Path) -> None:
     directory, _ = checkpoint
-    files = models.source_files(small_llama(checkpoint=str(directory)))
-    assert directory / "config.json" in files
-    assert models.source_files(small_llama()) == []
+    assert directory / "config.json" in models.checkpoint_files(
+        small_llama(checkpoint=str(directory))
+    )
+    assert models.checkpoint_files(small_llama()) == []
     by_module = CustomModelConfig(name="custom", factory="tests.failing_models:fixed_batch")
-    assert models.source_files(by_module) == [Path(__file__).with_name("failing_models.py")]
+    assert "tests/failing_models.py" in models.code(by_module)["sources"]
     script = tmp_path / "mine.py"
-    script.write_text("def declare(): ...\n")
+    helper = tmp_path / "helper.py"
+    script.write_text("from helper import LAYERS\n\ndef declare(): ...\n")
+    helper.write_text("LAYERS = 2\n")
     by_file = CustomModelConfig(name="custom", factory=f"{script}:declare")
-    assert models.source_files(by_file) == [script]
+    before = models.code(by_file)
+    assert {"mine.py", "helper.py"} <= set(before["sources"])
+    helper.write_text("LAYERS = 3\n")
+    assert models.code(by_file) != before
+
+
+def test_a_models_code_is_its_builder_and_the_libraries_it_imports() -> None:
+    mlp, llama = models.code(MlpConfig(name="mlp")), models.code(small_llama())
+    assert "exporter/models/mlp.py" in mlp["sources"]
+    assert "exporter/models/llama.py" not in mlp["sources"]
+    assert "transformers" in llama["libraries"] and "transformers" not in mlp["libraries"]
 
 
 def test_token_ids_are_drawn_in_vocabulary_range() -> None:

@@ -6,7 +6,6 @@ The fallback policy maps onto XNNPACK's partitioner (exporter/lowering/xnnpack_p
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,7 +38,8 @@ def output(backend: ExecutorchConfig) -> Output:
 
 
 def toolchain(backend: ExecutorchConfig) -> dict[str, str]:
-    return {"executorch": importlib.metadata.version("executorch")}
+    # ExecuTorch's version is among the libraries its lowering code imports.
+    return {}
 
 
 def lower(

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from exporter.comparison.summary import JobSummary
 from exporter.files import atomic_path
 
@@ -33,6 +31,9 @@ def _plot(
     path: Path,
 ) -> Path:
     # A bare Figure, not pyplot: no global state and no display, so jobs can plot in parallel.
+    # Imported here: a job that ends before validation draws nothing and need not load it.
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(7, 4.5), layout="constrained")
     axes = figure.add_subplot()
     for summary, label in measured:

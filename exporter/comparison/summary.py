@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
-from exporter.validate.plan import steps
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
@@ -49,8 +48,9 @@ class JobSummary:
     draft: bool = False
     # Wall seconds per stage that ran: export, lower, validate.
     seconds: dict[str, float] = field(default_factory=dict)
-    # Per cached stage: whether its work came from the cache.
+    # Per cached stage: whether its work came from the cache, and the key of its entry.
     cache_hits: dict[str, bool] = field(default_factory=dict)
+    cache_keys: dict[str, str] = field(default_factory=dict)
     # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
     target: dict[str, str] = field(default_factory=dict)
     # Per live shape, smallest first: its step (the size of the one dynamic dim `dim`, or with
@@ -67,11 +67,12 @@ class JobSummary:
             choices=choices,
             status=record.outcome,
             exit_code=record.exit_code,
+            failed_stage=record.failed_stage,
             seconds=dict(record.seconds),
             cache_hits=dict(record.cache_hits),
+            cache_keys=dict(record.cache_keys),
         )
         if record.error:
-            summary.failed_stage = record.error.stage
             summary.error = str(record.error)
         if record.artifact and record.artifact.path.exists():
             summary.artifact_bytes = record.artifact.path.stat().st_size
@@ -82,6 +83,10 @@ class JobSummary:
             summary.export_failures = record.diagnosis.kinds
             summary.draft = record.diagnosis.continued_with_draft
         if record.report:
+            # Imported here: the validate package loads torch, which a job that never reached
+            # validation, and the command's own process, do without.
+            from exporter.validate.plan import steps
+
             results = record.report.by_shape()
             summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")

@@ -56,9 +56,11 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     )
     log.info("[export] torch.export of %s with %s", bundle.name, bounds)
     diagnosis = None
+    said = io.StringIO()
     try:
-        # On failure torch.export prints its partial graph to stderr; the report keeps it.
-        with contextlib.redirect_stderr(io.StringIO()):
+        # On failure torch.export prints its partial graph to stderr, which the report keeps;
+        # on success what it printed (warnings) goes to the job's log.
+        with contextlib.redirect_stderr(said):
             program = torch.export.export(
                 bundle.module, example, dynamic_shapes=shapes.spec(bundle), strict=False
             )
@@ -81,6 +83,8 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
         log.warning("[export] %s", diagnosis.text())
         diagnosis.write(out_dir)
     else:
+        if said.getvalue().strip():
+            log.info("[export] torch.export wrote:\n%s", said.getvalue().rstrip())
         narrowed = shapes.narrowed(program, bundle)
         if narrowed:
             # Nothing raised, yet a dim came out narrower (an unbacked dim that a runtime

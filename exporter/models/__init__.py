@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,20 +21,27 @@ from exporter.config import (
     ToyConfig,
 )
 from exporter.errors import ConfigError
-from exporter.models import custom, encoder, llama, masked, mlp, moe, toys
+from exporter.fingerprint import PROJECT_ROOT, code_of
 from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
 
-_BUILDERS: dict[type[ModelConfig], Callable[..., ModelDeclaration]] = {
-    LlamaConfig: llama.declare,
-    MlpConfig: mlp.declare,
-    MoeConfig: moe.declare,
-    MaskedConfig: masked.declare,
-    EncoderConfig: encoder.declare,
-    CustomModelConfig: custom.declare,
-    ToyConfig: toys.declare,
+# Each schema's builder: the module of this package whose declare() builds it. Imported when its
+# model is built, so a job imports only its own model's libraries (transformers for llama), and
+# a model's cache key sees its own module, not every model's.
+_BUILDERS: dict[type[ModelConfig], str] = {
+    LlamaConfig: "llama",
+    MlpConfig: "mlp",
+    MoeConfig: "moe",
+    MaskedConfig: "masked",
+    EncoderConfig: "encoder",
+    CustomModelConfig: "custom",
+    ToyConfig: "toys",
 }
 
-__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build", "source_files"]
+__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build", "checkpoint_files", "code"]
+
+
+def _builder(cfg: ModelConfig) -> str:
+    return f"{__name__}.{_BUILDERS[type(cfg)]}"
 
 
 def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
@@ -40,7 +49,7 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
     # same in every process, as the cache and the goldens need.
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        declaration = _BUILDERS[type(cfg)](cfg)
+        declaration = importlib.import_module(_builder(cfg)).declare(cfg)
     return ModelBundle(
         name=cfg.name,
         module=declaration.module,
@@ -81,12 +90,22 @@ def _bound_dims(
     return tuple(dims)
 
 
-def source_files(cfg: ModelConfig) -> list[Path]:
-    """Files the model is read from besides its config: a checkpoint's, or a custom factory's
-    own source file. A file rewritten in place makes another model."""
+def checkpoint_files(cfg: ModelConfig) -> list[Path]:
+    """The files of the checkpoint the model is read from, if any: one rewritten in place makes
+    another model."""
     checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint:
         return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
-    if isinstance(cfg, CustomModelConfig):
-        return [custom.source_file(cfg)]
     return []
+
+
+def code(cfg: ModelConfig) -> dict[str, Any]:
+    """The sources and library versions behind the module `build` makes: this stage, the
+    model's builder and what they import, or a custom factory's file and what it imports."""
+    modules = [__name__, _builder(cfg)]
+    if isinstance(cfg, CustomModelConfig):
+        from exporter.models import custom
+
+        file, root = custom.source(cfg)
+        return code_of(modules, files=[file], roots=(PROJECT_ROOT, root))
+    return code_of(modules)

@@ -48,12 +48,16 @@ def _module(where: str, factory: str) -> object:
         raise ConfigError(f"model.factory={factory!r}: cannot import {where}: {error}") from error
 
 
-def source_file(cfg: CustomModelConfig) -> Path:
-    """The file the factory is defined in (its imports are not followed)."""
+def source(cfg: CustomModelConfig) -> tuple[Path, Path]:
+    """The file the factory is defined in, and the folder its imports resolve from (the file's
+    own, or for package.module, the folder that holds the package)."""
     where = cfg.factory.rpartition(":")[0]
     if where.endswith(".py"):
-        return Path(where).resolve()
+        path = Path(where).resolve()
+        return path, path.parent
     spec = importlib.util.find_spec(where)
     if spec is None or spec.origin is None:
         raise ConfigError(f"model.factory={cfg.factory!r}: cannot find the source of {where}.")
-    return Path(spec.origin)
+    path = Path(spec.origin)
+    depth = where.count(".") + (path.name == "__init__.py")
+    return path, path.parents[depth]

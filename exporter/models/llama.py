@@ -60,8 +60,6 @@ def _random_model(cfg: LlamaConfig) -> LlamaForCausalLM:
 def _load_checkpoint(directory: Path) -> LlamaForCausalLM:
     """Loads a local Hugging Face checkpoint directory; never touches the network."""
     config_file = directory / "config.json"
-    if not directory.is_dir():
-        raise ConfigError(f"model.checkpoint={directory}: no such directory.")
     if not config_file.is_file():
         raise ConfigError(
             f"model.checkpoint={directory}: not a Hugging Face checkpoint (no config.json); "

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from exporter import interrupts
 from exporter.errors import RuntimeFailed
 from exporter.models import ModelBundle
 from exporter.validate.compare import compare
@@ -50,6 +51,7 @@ def run(
     bar = tqdm(total=len(order), desc="validate", unit="run", disable=None)
     with logging_redirect_tqdm(), bar:
         for number, (shape, kind) in enumerate(order, start=1):
+            interrupts.check()
             if kind == "fresh":
                 instance = load()
             execution = _execute(bundle, instance, shape, kind, goldens, atol, rtol)

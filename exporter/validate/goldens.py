@@ -12,13 +12,11 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
 from exporter.validate.plan import LiveShape, label
 
 GOLDENS_FILE = "goldens.pt"
-# Part of the goldens' cache key: raised when what the file holds changes, so an entry of an
-# older layout is rebuilt rather than misread.
-VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,15 @@ def compute(bundle: ModelBundle, shapes: Sequence[LiveShape], seed: int) -> Gold
         # Seeded by the shape itself, so adding a shape to the plan changes no other's inputs.
         inputs = bundle.make_inputs(shape, zlib.crc32(f"{seed}:{key}".encode()))
         wide = [t.to(torch.float64) if t.is_floating_point() else t for t in inputs]
-        with torch.no_grad():
-            cases[key] = (inputs, pytree.tree_leaves(oracle(*wide)))
+        try:
+            with torch.no_grad():
+                cases[key] = (inputs, pytree.tree_leaves(oracle(*wide)))
+        except Exception as error:
+            raise GoldensFailed(
+                f"the float64 oracle (the eager model in float64) could not run at {key}: "
+                f"{type(error).__name__}: {error}. No artifact was judged; the model must run "
+                "in float64 for its outputs to be checked."
+            ) from error
     # The dtypes do not depend on the sizes: one run at the smallest shape, the cheapest, says.
     smallest_inputs, _ = cases[label(shapes[0])]
     with torch.no_grad():

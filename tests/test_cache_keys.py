@@ -1,0 +1,135 @@
+"""A cache key sees what determines its result, and only that: the model's code and the libraries
+it imports, the lowering code, but not tolerances or the device an artifact will run on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Run
+
+from exporter import cache_keys, config, fingerprint
+from exporter.cache import key_of
+from tests.conftest import PROJECT_ROOT, mlflow_runs, tracking_uri_in
+from tests.test_config import composed
+
+
+def job(*overrides: str) -> config.JobConfig:
+    return config.to_job(composed(*overrides))
+
+
+def export_key(*overrides: str) -> str:
+    chosen = job(*overrides)
+    return key_of(cache_keys.export(chosen, cache_keys.model(chosen)))
+
+
+def lower_key(*overrides: str) -> str:
+    chosen = job(*overrides)
+    return key_of(cache_keys.lower(chosen, cache_keys.export(chosen, cache_keys.model(chosen))))
+
+
+def test_a_transformers_upgrade_rebuilds_llama_but_not_the_mlp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = export_key("model=llama"), export_key("model=mlp")
+    installed = fingerprint.library_version
+
+    def upgraded(distribution: str) -> str:
+        return "99.0" if distribution == "transformers" else installed(distribution)
+
+    monkeypatch.setattr(fingerprint, "library_version", upgraded)
+    assert export_key("model=llama") != before[0]
+    assert export_key("model=mlp") == before[1]
+
+
+def test_tolerances_and_the_runtime_device_stay_out_of_the_lowering_key() -> None:
+    base = lower_key("model=mlp")
+    assert lower_key("model=mlp", "backend.atol=0.5") == base
+    assert lower_key("model=mlp", "validate.atol=0.5", "validate.rtol=0.5") == base
+    webgpu = lower_key("model=mlp", "backend=webgpu", "backend.device=auto")
+    assert lower_key("model=mlp", "backend=webgpu", "backend.device=cpu") == webgpu
+    assert webgpu != base
+    assert lower_key("model=mlp", "fallback.min_block_size=2") != base
+
+
+def test_the_lowering_key_holds_the_backends_own_code_and_toolchain() -> None:
+    chosen = job("model=mlp")
+    material = cache_keys.lower(chosen, {})
+    assert "exporter/backends/executorch.py" in material["code"]["sources"]
+    assert "exporter/lowering/xnnpack_partitioner.py" in material["code"]["sources"]
+    assert "executorch" in material["code"]["libraries"]
+    assert "exporter/backends/webgpu.py" not in material["code"]["sources"]
+
+
+# A copy of the project, so a test can edit its code as a user would, without touching ours.
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    for folder in ("exporter", "runtimes", "conf"):
+        shutil.copytree(
+            PROJECT_ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return root
+
+
+def job_in(project: Path, workdir: Path, *overrides: str) -> tuple[Run, str]:
+    """Runs `python -m exporter model=mlp OVERRIDES` in the copy; its MLflow run and output."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exporter",
+            "model=mlp",
+            f"hydra.run.dir={workdir}/run-{len(mlflow_runs(tracking_uri_in(workdir)))}",
+            f"mlflow.tracking_uri={tracking_uri_in(workdir)}",
+            f"mlflow.artifact_location={workdir}/mlartifacts",
+            f"cache_dir={workdir}/cache",
+            *overrides,
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    return mlflow_runs(tracking_uri_in(workdir))[-1], output
+
+
+def hits(run: Run) -> dict[str, str]:
+    return {kind: run.data.tags[f"cache_hit.{kind}"] for kind in ("export", "goldens", "lower")}
+
+
+def test_an_edited_model_or_lowering_rebuilds_a_changed_tolerance_does_not(
+    project: Path, tmp_path: Path
+) -> None:
+    first, _ = job_in(project, tmp_path)
+    assert hits(first) == {"export": "false", "goldens": "false", "lower": "false"}
+
+    for tolerance in ("validate.atol=2e-4", "backend.atol=3e-4"):
+        run, output = job_in(project, tmp_path, tolerance)
+        assert hits(run) == {"export": "true", "goldens": "true", "lower": "true"}, output
+        assert run.data.tags["cache_key.lower"] == first.data.tags["cache_key.lower"]
+
+    # The issue's scenario: the second ReLU of the MLP becomes a GELU.
+    mlp = project / "exporter" / "models" / "mlp.py"
+    source = mlp.read_text()
+    assert source.count("torch.nn.ReLU(),") == 2
+    mlp.write_text(
+        source.replace("torch.nn.ReLU(),", "torch.nn.GELU(),").replace(
+            "torch.nn.GELU(),", "torch.nn.ReLU(),", 1
+        )
+    )
+    edited, output = job_in(project, tmp_path)
+    assert hits(edited) == {"export": "false", "goldens": "false", "lower": "false"}, output
+    assert "[cache] hit" not in output
+    program = (tmp_path / "run-3" / "program.pt2").read_bytes()
+    assert b"gelu" in program
+
+    # An edit of the lowering code rebuilds the lowering only.
+    lowering = project / "exporter" / "lowering" / "executorch_program.py"
+    lowering.write_text(lowering.read_text() + "\n# edited\n")
+    relowered, output = job_in(project, tmp_path)
+    assert hits(relowered) == {"export": "true", "goldens": "true", "lower": "false"}, output
