@@ -270,6 +270,10 @@ REPORT = "\n".join(
         "Node: torch.ops.aten.nonzero.default, with layer location: nonzero",
         "Node: torch.ops.aten.relu.default, with layer location: relu",
         "Node: torch.ops.aten.sub.Tensor, with layer location: sub",
+        "Node: torch.ops.aten.sym_size.int, with layer location: sym_size_int",
+        "Node: _operator.mul, with layer location: mul_1",
+        "Node: torch.sym_max, with layer location: sym_max",
+        "Node: torch.ops.aten._assert_scalar.default, with layer location: _assert_scalar",
         "Note: Some of the above nodes may be supported, but were not included "
         "in a TRT graph by the partitioner",
         "",
@@ -300,7 +304,8 @@ REPORT = "\n".join(
 )
 
 
-def test_the_dry_run_report_gives_each_node_its_place_and_reason() -> None:
+def test_the_dry_run_report_gives_each_compute_node_its_place_and_reason() -> None:
+    # The size arithmetic and asserts among the nodes in Torch are no compute nodes.
     fallback = FallbackConfig(policy=FallbackPolicy.data_dependent, ops=["aten.relu.default"])
     summary = tensorrt.partition_of(REPORT, fallback, {"aten.nonzero.default"})
     assert summary.delegates == 2

@@ -126,6 +126,14 @@ _ENGINE = re.compile(
     r"\s*Number of Operators in Engine: (\d+)"
 )
 _TORCH_NODE = re.compile(r"^Node: (\S+), with layer location: (.+)$", re.MULTILINE)
+# Nodes the report lists among those run in Torch that compute no tensor: size arithmetic on
+# symbolic sizes (Python's operators, torch.sym_*, aten.sym_size) and runtime asserts on it.
+# They are not compute nodes, as in the ExecuTorch report; counted, fallback=strict would fail
+# on a dynamic shape's bookkeeping alone.
+_SIZE_ARITHMETIC = re.compile(
+    r"^(_?operator\.|math\.|builtins\.|torch\.sym_|"
+    r"torch\.ops\.aten\.(sym_\w+|_assert_scalar|_assert_async|_assert_tensor_metadata)\.)"
+)
 _UNSUPPORTED = re.compile(r"listed with their op-count in the graph:\n((?:.+\n)+)")
 _HEADER = "Dry-Run Results for Graph"
 _DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
@@ -333,6 +341,8 @@ def partition_of(
         for _ in range(int(count))
     ]
     for target, location in _TORCH_NODE.findall(report):
+        if _SIZE_ARITHMETIC.match(target):
+            continue
         op = target.removeprefix("torch.ops.")
         reason, detail = (
             policy_reason({op}, op in data_dependent_ops, fallback)
