@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from exporter import aten_ops
 from exporter.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -218,9 +219,13 @@ class FallbackConfig:
 
 def _check_op_name(op: str) -> None:
     """`fallback.ops` entries name an operator overload as the partition report prints it:
-    namespace.name.overload. Whether an ATen overload exists is checked where torch is loaded
-    (exporter.lowering.policy.check_op_names)."""
-    if op.count(".") != 2 or not all(op.split(".")):
+    namespace.name.overload. ATen names are checked against torch's declarations; other
+    namespaces (ExecuTorch's dim_order_ops) exist only once their backend is imported, so only
+    their form is checked."""
+    namespace, _, overload = op.partition(".")
+    aten = aten_ops.declared() if namespace == "aten" else None
+    unknown = aten is not None and overload not in aten
+    if op.count(".") != 2 or not all(op.split(".")) or unknown:
         raise ConfigError(
             f"fallback.ops has {op!r}, which is not an operator overload; write it as the "
             "partition report prints ops, namespace.name.overload (aten.nonzero.default)."

@@ -1,46 +1,35 @@
-"""One job, stage by stage: config -> model -> export -> lower -> goldens -> validate -> track.
+"""One job: config -> model -> export -> lower -> goldens -> validate -> track.
 
-Runs in the job's worker process (exporter/job_process.py). Each stage takes what the previous
-one returned. A stage's failure becomes the ExporterError of that stage, whose exit code the job
-returns; the run dir keeps every file written before it. Exported programs, goldens and lowered
-artifacts come from the cache when a job before this one made them from the same inputs (the
-same config, code and libraries: exporter/cache_keys.py); the run dir gets links to them either
-way. The job's MLflow run is opened when the job starts and closed when it ends.
+Runs in the job's worker process (exporter/job_process.py). The config stage checks what only
+the backend's toolchain can judge; then the job's MLflow run opens and the stages run
+(exporter/stages.py). A stage's failure becomes the ExporterError of that stage, whose exit code
+the job returns; the run dir keeps every file written before it. Whatever ends the job, its
+record is concluded: summary, plots, and the MLflow run closed with its status.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
 import signal
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, cache_keys, config, export, interrupts, models, validate
-from exporter.backends import Artifact
-from exporter.cache import Cache, key_of, link_files
-from exporter.errors import STAGE_ERRORS, ExporterError, RuntimeFailed, ValidationFailed
-from exporter.export import Exported
-from exporter.files import write_bytes, write_json
-from exporter.record import JobContext, JobRecord, conclude, keep_traceback, open_run
-from exporter.validate import goldens
-from exporter.validate.plan import LiveShape, plan
-from runtimes import Loaded
-from runtimes import load as load_runtime
+from exporter import backends, config
+from exporter.errors import ExporterError
+from exporter.files import write_bytes
+from exporter.record import (
+    JobContext,
+    JobRecord,
+    Notify,
+    conclude,
+    keep_traceback,
+    open_run,
+    stage,
+)
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "report.json"
 CONFIG_FILE = "config.yaml"
-
-# Tells the command's process how far the job got: ("run_id", id), ("stage", name).
-Notify = Callable[[str, str], None]
 
 
 def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Notify) -> int:
@@ -50,7 +39,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
     store = run_id = None
     try:
         write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
-        with _stage(record, "config", notify):
+        with stage(record, "config", notify):
             backends.check_target(job)
         # The run opens as the work starts: a job stopped by its configuration leaves none.
         if job.mlflow.enabled:
@@ -66,7 +55,9 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
                 context.parent_run_id,
             )
             notify("run_id", run_id)
-        _run_stages(job, record, notify)
+        from exporter import stages
+
+        stages.run(job, record, notify)
     except ExporterError as error:
         record.error = error
         log.error("[%s] %s", error.stage, error)
@@ -82,158 +73,3 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             record.run_dir,
         )
     return conclude(record, context, store, run_id)
-
-
-def _run_stages(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
-    run_dir = record.run_dir
-    cache = Cache(Path(job.cache_dir)) if job.cache else None
-    with _stage(record, "model", notify):
-        bundle = models.build(job.model, job.dynamic)
-        model_material = cache_keys.model(job)
-    if job.artifact:
-        artifact = backends.adopt(Path(job.artifact), job)
-        log.info("[lower] skipped: validating the given artifact %s", artifact.path)
-    else:
-        with _stage(record, "export", notify):
-            export_material = cache_keys.export(job, model_material)
-            exported = _export(cache, record, job, bundle, export_material)
-        with _stage(record, "lower", notify):
-            artifact = _lower(cache, record, job, exported, export_material)
-    record.artifact = artifact
-    if artifact.runtime is None:
-        log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
-        return
-
-    with _stage(record, "goldens", notify):
-        seed = job.validate.seed
-        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
-        expected = _goldens(cache, record, job, bundle, model_material, shapes)
-
-    def load() -> Loaded:
-        try:
-            return load_runtime(artifact.path, artifact.runtime, artifact.device)
-        except Exception as error:
-            raise RuntimeFailed(
-                f"cannot load {artifact.path} (runtime {artifact.runtime}): "
-                f"{type(error).__name__}: {error}"
-            ) from error
-
-    with _stage(record, "validate", notify):
-        report = validate.run(bundle, load, shapes, expected, job.atol, job.rtol)
-    record.report = report
-    write_json(run_dir / REPORT_FILE, report.to_json())
-    log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
-    if not report.passed:
-        raise ValidationFailed(report.failure_message())
-    log.info("[validate] passed at all %d live shapes", len(report.shapes))
-
-
-@contextlib.contextmanager
-def _built(
-    cache: Cache | None,
-    record: JobRecord,
-    kind: str,
-    material: dict[str, Any],
-    build: Callable[[Path], object],
-) -> Iterator[Path]:
-    """Yields the folder holding the files `build(folder)` writes: the cache's entry for
-    `material`, built only if no job built it before, or with the cache off, a folder of its
-    own in the run dir, removed on exit. The caller links what it accepts into the run dir."""
-    record.cache_keys[kind] = key_of(material)
-    if cache is not None:
-        entry, record.cache_hits[kind] = cache.fetch(kind, material, build)
-        yield entry
-        return
-    folder = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-"))
-    try:
-        build(folder)
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _export(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    bundle: models.ModelBundle,
-    material: dict[str, Any],
-) -> Exported:
-    """The exported program, linked into the run dir; a failed export leaves its diagnosis
-    there (export_report.json / .txt) instead."""
-
-    def build(out: Path) -> None:
-        export.run(bundle, job.export.on_failure, out)
-
-    try:
-        with _built(cache, record, "export", material, build) as folder:
-            link_files(folder, record.run_dir)
-    except export.ExportDiagnosed as failure:
-        record.diagnosis = failure.diagnosis
-        failure.diagnosis.write(record.run_dir)
-        raise
-    exported = export.load(record.run_dir, bundle)
-    record.diagnosis = exported.diagnosis
-    return exported
-
-
-def _lower(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    exported: Exported,
-    export_material: dict[str, Any],
-) -> Artifact:
-    material = cache_keys.lower(job, export_material)
-    with _built(
-        cache, record, "lower", material, lambda out: backends.lower(exported, job, out)
-    ) as folder:
-        # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
-        backends.check_fallback(backends.lowered_in(folder, job), job)
-        link_files(folder, record.run_dir)
-    return backends.lowered_in(record.run_dir, job)
-
-
-def _goldens(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    bundle: models.ModelBundle,
-    model_material: dict[str, Any],
-    shapes: list[LiveShape],
-) -> goldens.Goldens:
-    """The planned inputs and the float64 oracle's outputs for them. Kept in the cache only,
-    never in the run dir: they are not a result, and can be larger than the artifact."""
-    material = cache_keys.goldens(job, model_material, shapes)
-    record.cache_keys["goldens"] = key_of(material)
-
-    def compute() -> goldens.Goldens:
-        return goldens.compute(bundle, shapes, job.validate.seed)
-
-    if cache is None:
-        return compute()
-    folder, record.cache_hits["goldens"] = cache.fetch(
-        "goldens", material, lambda out: goldens.save(compute(), out)
-    )
-    return goldens.load(folder)
-
-
-@contextlib.contextmanager
-def _stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
-    """Times and announces the stage; an unexpected exception in it becomes the stage's
-    ExporterError. Its start and end are the points where a requested stop happens."""
-    interrupts.check()
-    record.stage = name
-    notify("stage", name)
-    log.info("[%s] started", name)
-    start = time.perf_counter()
-    try:
-        yield
-    except ExporterError:
-        raise
-    except Exception as error:
-        raise STAGE_ERRORS[name](f"{type(error).__name__}: {error}") from error
-    finally:
-        record.seconds[name] = time.perf_counter() - start
-    log.info("[%s] done in %.1f s", name, record.seconds[name])
-    interrupts.check()

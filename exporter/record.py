@@ -1,5 +1,5 @@
-"""What one job produced, filled in stage by stage, how it ended, and its ending: the summary in
-its run dir and the close of its MLflow run.
+"""What one job produced, filled in stage by stage (`stage` times and announces each), how it
+ended, and its ending: the summary in its run dir and the close of its MLflow run.
 
 A job's record is concluded by its worker process when the job ends, or by the command's
 process when the worker died (exporter/job_process.py): either way every job ends with a
@@ -8,18 +8,19 @@ summary and, where tracking is on, an MLflow run with a final status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from exporter import config
-from exporter.errors import ExporterError, TrackingFailed
+from exporter import config, interrupts
+from exporter.errors import STAGE_ERRORS, ExporterError, TrackingFailed
 from exporter.files import write_bytes
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRACEBACK_FILE = "traceback.txt"
+
+# Tells the command's process how far the job got: ("run_id", id), ("stage", name).
+Notify = Callable[[str, str], None]
 # MLflow's run status -> the word the `status` tag and the comparison table use for it.
 OUTCOMES = {"FINISHED": "passed", "FAILED": "failed", "KILLED": "killed", "RUNNING": "running"}
 
@@ -155,3 +159,24 @@ def keep_traceback(error: ExporterError, run_dir: Path) -> None:
     text = "".join(traceback.format_exception(error.__cause__))
     path = write_bytes(run_dir / TRACEBACK_FILE, text.encode())
     log.error("[%s] the traceback behind this error is in %s", error.stage, path)
+
+
+@contextlib.contextmanager
+def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
+    """Times and announces the stage; an unexpected exception in it becomes the stage's
+    ExporterError. Its start and end are the points where a requested stop happens."""
+    interrupts.check()
+    record.stage = name
+    notify("stage", name)
+    log.info("[%s] started", name)
+    start = time.perf_counter()
+    try:
+        yield
+    except ExporterError:
+        raise
+    except Exception as error:
+        raise STAGE_ERRORS[name](f"{type(error).__name__}: {error}") from error
+    finally:
+        record.seconds[name] = time.perf_counter() - start
+    log.info("[%s] done in %.1f s", name, record.seconds[name])
+    interrupts.check()

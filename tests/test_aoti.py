@@ -73,7 +73,7 @@ def test_cuda_on_a_machine_without_it_exits_2_before_any_work(
     exporter_cli: Callable[..., CliResult], backend: str
 ) -> None:
     result = exporter_cli("model=mlp", f"backend={backend}", "backend.device=cuda")
-    assert_user_error(result, 2, "backend.device=cuda, but torch sees no CUDA device")
+    assert_user_error(result, 2, "backend.device=cuda, but", "allowed here: backend.device=cpu")
     assert not (result.run_dir / "program.pt2").exists()
 
 

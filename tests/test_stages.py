@@ -66,7 +66,9 @@ def test_a_tracking_server_that_does_not_answer_exits_2_in_seconds(tmp_path: Pat
         2,
         "[track] no MLflow tracking server answers at mlflow.tracking_uri=http://127.0.0.1:9",
     )
-    assert seconds < 5, f"took {seconds:.1f} s"
+    # A guard against MLflow's own retries (about four minutes), not a speed target:
+    # bench/startup.py measures it (0.4 s).
+    assert seconds < 30, f"took {seconds:.1f} s"
     assert not (result.run_dir / "program.pt2").exists()
 
 

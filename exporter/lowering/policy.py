@@ -7,26 +7,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter.config import FallbackConfig, FallbackPolicy
-from exporter.errors import ConfigError
 from exporter.lowering.partition import DATA_DEPENDENT, NAMED, SMALL_BLOCK
-
-
-def check_op_names(fallback: FallbackConfig) -> None:
-    """Raises ConfigError for an ATen name in `fallback.ops` that torch has no overload of.
-
-    The schema checked each name's form; whether an ATen overload exists needs torch, which
-    composing a config does not import. Other namespaces (ExecuTorch's dim_order_ops) exist only
-    once their backend is imported, so only their form is checked."""
-    for op in fallback.ops:
-        namespace, name, overload = op.split(".")
-        if namespace != "aten":
-            continue
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None or overload not in packet.overloads():
-            raise ConfigError(
-                f"fallback.ops has {op!r}, which is no ATen operator overload; write it as the "
-                "partition report prints ops, namespace.name.overload (aten.nonzero.default)."
-            )
 
 
 def op_name(node: torch.fx.Node) -> str:
