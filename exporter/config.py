@@ -222,9 +222,9 @@ def _check_op_name(op: str) -> None:
     namespace.name.overload. ATen names are checked against torch's declarations; other
     namespaces (ExecuTorch's dim_order_ops) exist only once their backend is imported, so only
     their form is checked."""
-    namespace, _, overload = op.partition(".")
+    namespace, _, name_and_overload = op.partition(".")
     aten = aten_ops.declared() if namespace == "aten" else None
-    unknown = aten is not None and overload not in aten
+    unknown = aten is not None and name_and_overload not in aten
     if op.count(".") != 2 or not all(op.split(".")) or unknown:
         raise ConfigError(
             f"fallback.ops has {op!r}, which is not an operator overload; write it as the "

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from exporter import config, interrupts, tracking_server
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
-from exporter.errors import STAGE_ERRORS, ConfigError, ExporterError
+from exporter.errors import STAGE_ERRORS, ConfigError
 from exporter.record import JobContext, JobRecord, conclude, keep_traceback, open_run
 
 log = logging.getLogger(__name__)
@@ -172,13 +172,15 @@ def _died(
     stops: list[int],
 ) -> int:
     """Concludes the job of a worker that ended without concluding it."""
-    record.stage = progress.stage
+    # A worker that dies before its first stage could not start the job here (its own error
+    # is above it): a problem of this machine's setup, as the config stage finds them.
+    record.stage = progress.stage or "config"
     where = f"during the {progress.stage} stage" if progress.stage else "before its first stage"
     if stops:
         record.stopped_by = stops[0]
-        log.error("[%s] stopped by %s", progress.stage, signal.Signals(stops[0]).name)
+        log.error("[%s] stopped by %s", record.stage, signal.Signals(stops[0]).name)
     else:
-        failure = STAGE_ERRORS.get(progress.stage or "", ExporterError)
+        failure = STAGE_ERRORS[record.stage]
         record.error = failure(
             f"the job's process {_death(worker.returncode)} {where}; its log in {context.run_dir} "
             "ends where it stopped."

@@ -25,6 +25,7 @@ from exporter.record import (
     keep_traceback,
     open_run,
     stage,
+    start_run,
 )
 
 log = logging.getLogger(__name__)
@@ -43,18 +44,13 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             backends.check_target(job)
         # The run opens as the work starts: a job stopped by its configuration leaves none.
         if job.mlflow.enabled:
-            from exporter import comparison, tracking
+            # Imported only here: a job with mlflow=off never imports mlflow.
+            from exporter import tracking
 
             store = tracking.open_store(job.mlflow)
-            run_id = tracking.start_run(
-                store,
-                context.run_name,
-                record.started_ms,
-                config.flatten(cfg),
-                comparison.group_choices(context.choices),
-                context.parent_run_id,
-            )
+            run_id = start_run(store, cfg, context, record)
             notify("run_id", run_id)
+        # Imported only now: the stages load torch, which a configuration error need not wait for.
         from exporter import stages
 
         stages.run(job, record, notify)

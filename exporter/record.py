@@ -124,32 +124,37 @@ def conclude(
     return record.exit_code
 
 
+def start_run(store: Store, cfg: DictConfig, context: JobContext, record: JobRecord) -> str:
+    """Opens the job's MLflow run, RUNNING, with its params and Hydra's choices."""
+    from exporter import comparison, tracking
+
+    return tracking.start_run(
+        store,
+        context.run_name,
+        record.started_ms,
+        config.flatten(cfg),
+        comparison.group_choices(context.choices),
+        context.parent_run_id,
+    )
+
+
 def open_run(
     cfg: DictConfig, context: JobContext, record: JobRecord, run_id: str | None = None
 ) -> tuple[Store | None, str | None]:
     """The job's MLflow store and run, the run opened here unless `run_id` names it: for a job
     that ends without its worker having opened it. (None, None) where tracking is off or cannot
     be opened, which is logged: the job's own ending matters more than its record's."""
-    from exporter import comparison, tracking
+    from exporter import tracking
 
     try:
         mlflow = config.mlflow_of(cfg)
         if not mlflow.enabled:
             return None, None
         store = tracking.open_store(mlflow)
-        if run_id is None:
-            run_id = tracking.start_run(
-                store,
-                context.run_name,
-                record.started_ms,
-                config.flatten(cfg),
-                comparison.group_choices(context.choices),
-                context.parent_run_id,
-            )
+        return store, run_id or start_run(store, cfg, context, record)
     except ExporterError as error:
         log.error("[%s] %s", error.stage, error)
         return None, None
-    return store, run_id
 
 
 def keep_traceback(error: ExporterError, run_dir: Path) -> None:

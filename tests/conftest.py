@@ -103,6 +103,29 @@ def run_sweep(workdir: Path, sweep_dir: Path, *overrides: str) -> SweepResult:
     return SweepResult(completed.returncode, output, sweep_dir, tracking_uri_in(workdir))
 
 
+def run_stopped(
+    overrides: list[str], marker: str, stop: Callable[[subprocess.Popen], object]
+) -> tuple[int, str]:
+    """`python -m exporter OVERRIDES...`, and `stop(process)` once a line of its output holds
+    `marker`; the command's exit code and its whole output."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exporter", *overrides],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if marker in line:
+            stop(process)
+            break
+    lines.append(process.stdout.read())
+    return process.wait(timeout=300), "".join(lines)
+
+
 @pytest.fixture
 def exporter_cli(tmp_path: Path) -> Callable[..., CliResult]:
     """Each call runs the CLI in a fresh folder under tmp_path."""

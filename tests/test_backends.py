@@ -13,6 +13,7 @@ import pytest
 import runtimes
 from exporter import backends, config
 from exporter.config import BackendConfig
+from exporter.fingerprint import code_of
 from tests.conftest import CONF_DIR, PROJECT_ROOT
 from tests.test_config import composed
 
@@ -72,3 +73,10 @@ def test_composing_imports_no_toolchain() -> None:
         [sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True
     )
     assert completed.returncode == 0, completed.stderr
+
+
+@pytest.mark.parametrize("runtime", runtimes.names())
+def test_a_runtime_imports_nothing_of_the_exporter(runtime: str) -> None:
+    # A target runs artifacts with the runtimes package alone.
+    sources = code_of([f"runtimes.{runtime}"])["sources"]
+    assert sources and all(path.startswith("runtimes/") for path in sources), sources

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from exporter.cache import Cache
-from tests.conftest import PROJECT_ROOT, mlflow_runs, tracking_uri_in
+from tests.conftest import mlflow_runs, run_stopped, tracking_uri_in
 
 
 def stopped_in_lowering(
@@ -22,29 +22,18 @@ def stopped_in_lowering(
 ) -> tuple[int, str]:
     """Runs an mlp job, calls `stop(process)` once lowering has started; returns the command's
     exit code and its output."""
-    command = [
-        sys.executable,
-        "-m",
-        "exporter",
-        "model=mlp",
-        f"hydra.run.dir={workdir}/run",
-        f"mlflow.tracking_uri={tracking_uri_in(workdir)}",
-        f"mlflow.artifact_location={workdir}/mlartifacts",
-        f"cache_dir={workdir}/cache",
-        *overrides,
-    ]
-    process = subprocess.Popen(
-        command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    return run_stopped(
+        [
+            "model=mlp",
+            f"hydra.run.dir={workdir}/run",
+            f"mlflow.tracking_uri={tracking_uri_in(workdir)}",
+            f"mlflow.artifact_location={workdir}/mlartifacts",
+            f"cache_dir={workdir}/cache",
+            *overrides,
+        ],
+        "[lower] started",
+        stop,
     )
-    assert process.stdout is not None
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if "[lower] started" in line:
-            stop(process)
-            break
-    lines.append(process.stdout.read())
-    return process.wait(timeout=300), "".join(lines)
 
 
 def leftovers(workdir: Path) -> list[Path]:

@@ -18,7 +18,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import PROJECT_ROOT, mlflow_runs, run_sweep
+from tests.conftest import mlflow_runs, run_stopped, run_sweep
 
 
 def free_port() -> int:
@@ -128,32 +128,18 @@ def test_a_server_gone_mid_job_is_a_tracking_failure_and_the_run_dir_keeps_the_r
     tmp_path: Path, server: tuple[subprocess.Popen, str]
 ) -> None:
     process, uri = server
-    job = subprocess.Popen(
+    exit_code, output = run_stopped(
         [
-            sys.executable,
-            "-m",
-            "exporter",
             "model=mlp",
             "backend=eager",
             f"hydra.run.dir={tmp_path}/run",
             f"cache_dir={tmp_path}/cache",
             *to_the_server(uri),
         ],
-        cwd=PROJECT_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        "(RUNNING)",
+        lambda _: stop(process),
     )
-    assert job.stdout is not None
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if "(RUNNING)" in line:
-            stop(process)
-            break
-    lines.append(job.stdout.read())
-    output = "".join(lines)
-    assert job.wait(timeout=300) == 7, output
+    assert exit_code == 7, output
     assert "[track] MLflow run" in output and "could not be written" in output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"]) == ("passed", 0)

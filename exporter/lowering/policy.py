@@ -3,6 +3,8 @@ backend, and why, in the partition report's words."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.export import ExportedProgram
 
@@ -43,12 +45,21 @@ class Policy:
         """(reason, detail) where the policy keeps the node off the backend."""
         return policy_reason(self.names_of(node), makes_data_dependent_shape(node), self.fallback)
 
-    def small_block(self, size: int) -> tuple[str, str]:
-        """(reason, detail) of a node whose block of `size` compute nodes was too small."""
-        return SMALL_BLOCK, (
-            f"its block had {size} compute node(s), under "
-            f"fallback.min_block_size={self.fallback.min_block_size}"
-        )
+    def kept_off(
+        self, node: torch.fx.Node, small_blocks: Mapping[str, int]
+    ) -> tuple[str, str] | None:
+        """(reason, detail) where the policy left the node outside every delegate: its own
+        verdict, or the node was in a block too small (`small_blocks`: node name -> the size of
+        its block); None where the backend left it out."""
+        kept_off = self.reason(node)
+        if kept_off:
+            return kept_off
+        if node.name in small_blocks:
+            return SMALL_BLOCK, (
+                f"its block had {small_blocks[node.name]} compute node(s), under "
+                f"fallback.min_block_size={self.fallback.min_block_size}"
+            )
+        return None
 
 
 def policy_reason(

@@ -93,11 +93,9 @@ class PolicyPartitioner(Partitioner):
             root.removeFilter(keep)
 
     def why_on_cpu(self, node: torch.fx.Node) -> tuple[str, str]:
-        kept_off = self.policy.reason(node)
+        kept_off = self.policy.kept_off(node, self.small_blocks)
         if kept_off:
             return kept_off
-        if node.name in self.small_blocks:
-            return self.policy.small_block(self.small_blocks[node.name])
         name = op_name(node)
         reasons = self.refusals.get(name, set()) | self.refusals.get(
             name.removeprefix("aten."), set()

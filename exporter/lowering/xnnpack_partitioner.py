@@ -92,11 +92,9 @@ class PolicyPartitioner(XnnpackPartitioner):
 
     def why_on_cpu(self, node: torch.fx.Node) -> tuple[str, str]:
         """(reason, detail) of a node the lowering left outside every delegate."""
-        kept_off = self.policy.reason(node)
+        kept_off = self.policy.kept_off(node, self.small_blocks)
         if kept_off:
             return kept_off
-        if node.name in self.small_blocks:
-            return self.policy.small_block(self.small_blocks[node.name])
         if not self.supports(node):
             return UNSUPPORTED, "XNNPACK has no kernel for this op"
         if _touches_unbacked_size(node):
