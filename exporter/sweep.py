@@ -81,6 +81,7 @@ class SweepCallback(Callback):
         try:
             mlflow = mlflow_of(config)
             if mlflow.enabled:
+                # Imported only where tracking is on: mlflow=off never imports mlflow.
                 from exporter import tracking
 
                 # Creating the store and experiment here, once, keeps parallel jobs from racing
