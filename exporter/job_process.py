@@ -67,6 +67,8 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
     record = JobRecord(run_dir=context.run_dir)
     try:
         job = config.to_job(cfg)
+        # Probed here as well as where the worker opens the store: the worker would first spend
+        # seconds importing mlflow to find that nobody answers.
         if job.mlflow.enabled and tracking_server.is_server(job.mlflow.tracking_uri):
             tracking_server.probe(job.mlflow.tracking_uri)
     except ConfigError as error:

@@ -13,10 +13,7 @@ from pathlib import Path
 
 from tests.conftest import PROJECT_ROOT, CliResult, run_exporter
 from tests.test_cli import assert_user_error
-
-
-def custom(factory: str, *overrides: str) -> list[str]:
-    return ["model=custom", f"model.factory=tests.failing_models:{factory}", *overrides]
+from tests.test_export_failures import custom
 
 
 def test_a_crash_while_building_the_model_is_the_models_failure_not_the_config(

@@ -39,6 +39,7 @@ __all__ = [
     "lowered_in",
     "names",
     "schemas",
+    "toolchain",
 ]
 
 

@@ -46,7 +46,7 @@ class JobSummary:
     # went on with draft_export's program (export.on_failure=draft).
     export_failures: list[str] = field(default_factory=list)
     draft: bool = False
-    # Wall seconds per stage that ran: export, lower, validate.
+    # Wall seconds per stage that ran: config, model, export, lower, goldens, validate.
     seconds: dict[str, float] = field(default_factory=dict)
     # Per cached stage: whether its work came from the cache, and the key of its entry.
     cache_hits: dict[str, bool] = field(default_factory=dict)
