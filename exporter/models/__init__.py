@@ -22,6 +22,7 @@ from exporter.config import (
 )
 from exporter.errors import ConfigError
 from exporter.fingerprint import PROJECT_ROOT, code_of
+from exporter.models import custom
 from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
 
 # Each schema's builder: the module of this package whose declare() builds it. Imported when its
@@ -104,8 +105,6 @@ def code(cfg: ModelConfig) -> dict[str, Any]:
     model's builder and what they import, or a custom factory's file and what it imports."""
     modules = [__name__, _builder(cfg)]
     if isinstance(cfg, CustomModelConfig):
-        from exporter.models import custom
-
         file, root = custom.source(cfg)
         return code_of(modules, files=[file], roots=(PROJECT_ROOT, root))
     return code_of(modules)
