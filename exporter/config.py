@@ -43,10 +43,19 @@ class DimBounds:
     mode: DimMode = DimMode.backed
 
 
+class ModelDtype(Enum):
+    """The dtype of a model's weights, activations and artifact (`model.dtype`)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
     seed: int = 0
+    dtype: ModelDtype = ModelDtype.float32
 
 
 @dataclass
@@ -62,6 +71,8 @@ class LlamaConfig(ModelConfig):
     intermediate_size: int = MISSING
     vocab_size: int = MISSING
     max_position_embeddings: int = MISSING
+    # The output projection shares the token embedding's weights (Llama 3.2 1B and 3B do).
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
@@ -150,6 +161,8 @@ class BackendConfig:
     # The devices this backend's artifact runs on: PyTorch's (cpu, cuda), or a wgpu adapter
     # choice for backend=webgpu (auto, gpu, cpu).
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    # The model dtypes (`model.dtype`) its artifacts compute in.
+    dtypes: ClassVar[tuple[ModelDtype, ...]] = tuple(ModelDtype)
 
     name: str = MISSING
     atol: float = MISSING
@@ -289,6 +302,12 @@ class JobConfig:
     cache_dir: str = "${project_root:}/outputs/cache"
 
     def __post_init__(self) -> None:
+        if self.model.dtype not in self.backend.dtypes:
+            allowed = ", ".join(dtype.value for dtype in self.backend.dtypes)
+            raise ConfigError(
+                f"model.dtype={self.model.dtype.value}: backend={self.backend.name} computes in "
+                f"{allowed} only (allowed values of model.dtype with this backend)."
+            )
         modes = {bounds.mode for bounds in self.dynamic.values() if bounds.min < bounds.max}
         if len(modes) > 1:
             # torch 2.14 has no spec for both: ShapesSpec makes every dim it names unbacked,

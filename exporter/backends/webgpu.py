@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig, ModelDtype
 from exporter.errors import ConfigError
 from exporter.lowering.artifact import Artifact, Output
 
@@ -26,6 +26,8 @@ class WebgpuConfig(BackendConfig):
     (hardware only) or cpu (lavapipe: apt-get install mesa-vulkan-drivers)."""
 
     devices: ClassVar[tuple[str, ...]] = ("auto", "gpu", "cpu")
+    # The runtime's WGSL kernels compute in f32.
+    dtypes: ClassVar[tuple[ModelDtype, ...]] = (ModelDtype.float32,)
 
     name: str = "webgpu"
     atol: float = 1.0e-4

@@ -23,7 +23,7 @@ from exporter.config import (
 from exporter.errors import ConfigError
 from exporter.fingerprint import PROJECT_ROOT, code_of
 from exporter.models import custom
-from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration
+from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration, torch_dtype
 
 # Each schema's builder: the module of this package whose declare() builds it. Imported when its
 # model is built, so a job imports only its own model's libraries (transformers for llama), and
@@ -38,7 +38,15 @@ _BUILDERS: dict[type[ModelConfig], str] = {
     ToyConfig: "toys",
 }
 
-__all__ = ["DynamicDim", "ModelBundle", "ModelDeclaration", "build", "checkpoint_files", "code"]
+__all__ = [
+    "DynamicDim",
+    "ModelBundle",
+    "ModelDeclaration",
+    "build",
+    "checkpoint_files",
+    "code",
+    "torch_dtype",
+]
 
 
 def _builder(cfg: ModelConfig) -> str:
@@ -51,13 +59,21 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
         declaration = importlib.import_module(_builder(cfg)).declare(cfg)
+    dtype = torch_dtype(cfg.dtype)
+    make_inputs = declaration.make_inputs
+
+    def make_inputs_at_dtype(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(dtype) if t.is_floating_point() else t for t in make_inputs(sizes, seed))
+
     return ModelBundle(
         name=cfg.name,
-        module=declaration.module,
+        # A builder may make its module at the dtype already (a large model should); this casts
+        # the others, and every builder's floating inputs.
+        module=declaration.module.to(dtype),
         input_names=declaration.input_names,
         output_names=declaration.output_names,
         dims=_bound_dims(cfg.name, declaration, dynamic),
-        make_inputs=declaration.make_inputs,
+        make_inputs=make_inputs_at_dtype,
     )
 
 

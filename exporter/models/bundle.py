@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exporter.config import DimMode
+from exporter.config import DimMode, ModelDtype
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,7 @@ class ModelDeclaration:
     dim_axes: Mapping[str, tuple[tuple[str, int], ...]]
     dim_limits: Mapping[str, int]
     make_inputs: InputMaker
+
+
+def torch_dtype(dtype: ModelDtype) -> torch.dtype:
+    return getattr(torch, dtype.value)

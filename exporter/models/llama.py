@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from exporter.config import LlamaConfig
 from exporter.errors import ConfigError
-from exporter.models.bundle import ModelDeclaration
+from exporter.models.bundle import ModelDeclaration, torch_dtype
 
 
 class LogitsOnly(torch.nn.Module):
@@ -27,7 +28,11 @@ class LogitsOnly(torch.nn.Module):
 
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
-    model = _load_checkpoint(Path(cfg.checkpoint)) if cfg.checkpoint else _random_model(cfg)
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.checkpoint:
+        model = _load_checkpoint(Path(cfg.checkpoint), dtype)
+    else:
+        model = _random_model(cfg, dtype)
     vocab_size = model.config.vocab_size
 
     def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
@@ -44,7 +49,7 @@ def declare(cfg: LlamaConfig) -> ModelDeclaration:
     )
 
 
-def _random_model(cfg: LlamaConfig) -> LlamaForCausalLM:
+def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
     hf_config = HfLlamaConfig(
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -53,11 +58,24 @@ def _random_model(cfg: LlamaConfig) -> LlamaForCausalLM:
         intermediate_size=cfg.intermediate_size,
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
-    return LlamaForCausalLM(hf_config).eval()
+    # Made at the dtype: a float32 model cast afterwards would hold both copies at once.
+    with _default_dtype(dtype):
+        return LlamaForCausalLM(hf_config).eval()
 
 
-def _load_checkpoint(directory: Path) -> LlamaForCausalLM:
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _load_checkpoint(directory: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     """Loads a local Hugging Face checkpoint directory; never touches the network."""
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -72,9 +90,7 @@ def _load_checkpoint(directory: Path) -> LlamaForCausalLM:
             "model=llama loads 'llama' checkpoints."
         )
     try:
-        model = LlamaForCausalLM.from_pretrained(
-            directory, local_files_only=True, dtype=torch.float32
-        )
+        model = LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.checkpoint={directory}: cannot load it: {error}") from error
     return model.eval()
