@@ -16,6 +16,7 @@ from exporter import backends, models
 from exporter.config import BackendConfig, JobConfig
 from exporter.fingerprint import code_of
 from exporter.validate.plan import LiveShape
+from exporter.validate.reference import reference_device
 
 
 def model(job: JobConfig) -> dict[str, Any]:
@@ -48,6 +49,7 @@ def goldens(
         "model": model_material,
         "shapes": shapes,
         "seed": job.validate.seed,
+        "reference_device": reference_device(job),
         "code": code_of(["exporter.validate.goldens"]),
     }
 

@@ -1,5 +1,5 @@
-"""The stages of a job after its config is checked: model -> export -> lower -> goldens ->
-validate, each taking what the one before returned. They load torch; the job's frame
+"""The stages of a job after its config is checked: model -> goldens -> export -> lower ->
+validate, each taking what the ones before returned. They load torch; the job's frame
 (exporter/pipeline.py) imports them once the config stage has passed, so a configuration error
 is answered without loading it.
 
@@ -11,6 +11,7 @@ the run dir gets links to them either way.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from exporter.files import write_json
 from exporter.record import JobRecord, Notify, stage
 from exporter.validate import goldens
 from exporter.validate.plan import LiveShape, plan
+from exporter.validate.reference import reference_device
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
@@ -41,24 +43,35 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     with stage(record, "model", notify):
         bundle = models.build(job.model, job.dynamic)
         model_material = cache_keys.model(job)
+    output_names = bundle.output_names
+    expected = None
+    # Goldens come before export: the oracle and eager's reference run on the module, which can
+    # then be let go before the lowering, so a model is never held twice there.
+    if backends.makes_runnable(job):
+        with stage(record, "goldens", notify):
+            seed = job.validate.seed
+            shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+            expected = _goldens(cache, record, job, bundle, model_material, shapes)
     if job.artifact:
+        del bundle
         artifact = backends.adopt(Path(job.artifact), job)
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
         with stage(record, "export", notify):
             export_material = cache_keys.export(job, model_material)
             exported = _export(cache, record, job, bundle, export_material)
+        # The exported program holds its own weights (loaded from program.pt2); the module's
+        # go now, and an nn.Module's reference cycles would keep them until a collection.
+        del bundle
+        gc.collect()
         with stage(record, "lower", notify):
             artifact = _lower(cache, record, job, exported, export_material)
+        del exported
+        gc.collect()
     record.artifact = artifact
-    if artifact.runtime is None:
+    if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
         return
-
-    with stage(record, "goldens", notify):
-        seed = job.validate.seed
-        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
-        expected = _goldens(cache, record, job, bundle, model_material, shapes)
 
     def load() -> Loaded:
         try:
@@ -69,8 +82,11 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
                 f"{type(error).__name__}: {error}"
             ) from error
 
+    tolerances = validate.Tolerances(
+        job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
+    )
     with stage(record, "validate", notify):
-        report = validate.run(bundle, load, shapes, expected, job.atol, job.rtol)
+        report = validate.run(output_names, load, shapes, expected, tolerances)
     record.report = report
     write_json(run_dir / REPORT_FILE, report.to_json())
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
@@ -153,13 +169,14 @@ def _goldens(
     model_material: dict[str, Any],
     shapes: list[LiveShape],
 ) -> goldens.Goldens:
-    """The planned inputs and the float64 oracle's outputs for them. Kept in the cache only,
-    never in the run dir: they are not a result, and can be larger than the artifact."""
+    """The planned inputs, the float64 oracle's outputs for them and eager's error at the model's
+    dtype. Kept in the cache only, never in the run dir: they are not a result, and can be
+    larger than the artifact."""
     material = cache_keys.goldens(job, model_material, shapes)
     record.cache_keys["goldens"] = key_of(material)
 
     def compute() -> goldens.Goldens:
-        return goldens.compute(bundle, shapes, job.validate.seed)
+        return goldens.compute(bundle, shapes, job.validate.seed, reference_device(job))
 
     if cache is None:
         return compute()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -207,13 +208,25 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     if record.report:
         report = record.report
         metrics.append(Metric("needed_atol", report.worst("needed_atol"), at, 0))
+        per_shape = {
+            "max_abs_err": "max_abs",
+            "max_rel_err": "max_rel",
+            "nrmse": "nrmse",
+            # Eager's errors at the model's dtype, and the artifact's over them.
+            "ref_max_abs_err": "ref_max_abs",
+            "ref_nrmse": "ref_nrmse",
+            "error_ratio": "ratio",
+        }
+        for metric, stat in (("worst_error_ratio", "ratio"), ("needed_factor", "needed_factor")):
+            if not math.isnan(report.worst(stat)):
+                metrics.append(Metric(metric, report.worst(stat), at, 0))
         for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
             metrics += [
-                Metric("max_abs_err", result.stats["max_abs"], at, size),
-                Metric("max_rel_err", result.stats["max_rel"], at, size),
-                Metric("nrmse", result.stats["nrmse"], at, size),
-                Metric("latency_ms", result.latency_ms, at, size),
+                Metric(metric, result.stats[stat], at, size)
+                for metric, stat in per_shape.items()
+                if not math.isnan(result.stats[stat])
             ]
+            metrics.append(Metric("latency_ms", result.latency_ms, at, size))
     return metrics
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exporter.validate.compare import OutputStats, compare
+from exporter.validate.compare import OutputStats, ReferenceError, Tolerances, compare
 from exporter.validate.report import Execution, Report
 
 
@@ -124,7 +124,8 @@ def test_p99_is_the_nearest_rank() -> None:
 
 def report_of(*outputs: OutputStats) -> Report:
     shape = {"seq": 4}
-    return Report(0.0, 0.0, ("y", "z"), (shape,), (Execution(shape, "reused", 1.0, outputs),))
+    tolerances = Tolerances("absolute", atol=0.0, rtol=0.0, factor=2.0, floor=0.0)
+    return Report(tolerances, ("y", "z"), (shape,), (Execution(shape, "reused", 1.0, outputs),))
 
 
 def test_the_failure_message_names_a_wrong_dtype_without_an_atol_that_cannot_fix_it() -> None:
@@ -142,6 +143,56 @@ def test_the_failure_message_gives_the_dtype_and_the_values_that_differ() -> Non
     off = compare("z", torch.tensor([1.0, 2.5]), golden, torch.float32, atol=0.0, rtol=0.0)
     assert report_of(wrong, off).failure_message() == (
         "output y is float64 where eager gives float32. 1 of 1 live shapes differ from eager "
-        "beyond atol=0 rtol=0: seq=4 (max_abs 0.5). The smallest atol that would pass them all "
-        "is 0.5."
+        "beyond rule=absolute atol=0 rtol=0: seq=4 (max_abs 0.5). The smallest atol that would "
+        "pass them all is 0.5."
+    )
+
+
+def test_the_reference_rule_scales_with_eagers_error_and_names_the_factor_that_would_pass() -> None:
+    golden = torch.linspace(-4, 4, 1000, dtype=torch.float64)
+    noise = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    eager = golden + 1e-3 * noise
+    reference = compare("y", eager, golden, torch.float64, 0.0, 0.0)
+    eager_error = ReferenceError(reference.max_abs, reference.nrmse)
+    # As precise as eager, with other roundings: passes where atol=1e-4 would fail it.
+    other = golden + 1e-3 * noise.flip(0)
+    passed = compare("y", other, golden, torch.float64, 1e-4, 0.0, eager_error, 1.5, 1e-6)
+    assert passed.passed and passed.ratio == pytest.approx(1.0)
+    assert not compare("y", other, golden, torch.float64, 1e-4, 0.0, eager_error).passed
+    # 1% off everywhere: many times eager's error, and the message-worthy factor says how many.
+    scaled = compare("y", golden * 1.01, golden, torch.float64, 1e-4, 0.0, eager_error, 1.5, 0.0)
+    assert not scaled.passed and scaled.failing > 0
+    assert scaled.ratio == pytest.approx(scaled.needed_factor) and scaled.ratio > 10
+    assert scaled.ref_nrmse == pytest.approx(eager_error.nrmse)
+
+
+def test_the_reference_rule_fails_one_wild_element_and_nan_but_its_floor_passes_exact_ties() -> (
+    None
+):
+    golden = torch.linspace(1, 2, 1000, dtype=torch.float64)
+    eager_error = ReferenceError(max_abs=1e-3, nrmse=5e-4)
+    wild = golden.clone()
+    wild[7] += 0.01
+    stats = compare("y", wild, golden, torch.float64, 0.0, 0.0, eager_error, 1.5, 0.0)
+    assert (stats.passed, stats.failing) == (False, 1)
+    nan = golden.clone()
+    nan[3] = math.nan
+    assert not compare("y", nan, golden, torch.float64, 0.0, 0.0, eager_error, 1.5, 0.0).passed
+    exact = ReferenceError(0.0, 0.0)
+    tiny = golden + 1e-9
+    assert compare("y", tiny, golden, torch.float64, 0.0, 0.0, exact, 1.5, 1e-6).passed
+    assert not compare("y", tiny, golden, torch.float64, 0.0, 0.0, exact, 1.5, 0.0).passed
+
+
+def test_the_reference_rules_failure_message_gives_both_errors_and_the_factor() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    eager_error = ReferenceError(max_abs=0.1, nrmse=0.05)
+    off = compare("y", torch.tensor([1.0, 2.5]), golden, torch.float32, 0.0, 0.0, eager_error, 2.0)
+    tolerances = Tolerances("reference", atol=0.0, rtol=0.0, factor=2.0, floor=0.0)
+    shape = {"seq": 4}
+    report = Report(tolerances, ("y",), (shape,), (Execution(shape, "reused", 1.0, (off,)),))
+    assert report.failure_message() == (
+        "1 of 1 live shapes are less accurate than eager at the model's dtype beyond "
+        "rule=reference factor=2 floor=0: seq=4 (nrmse 0.224, eager 0.05; max_abs 0.5, eager "
+        "0.1). The smallest validate.factor that would pass them all is 5."
     )

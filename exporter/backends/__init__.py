@@ -37,6 +37,7 @@ __all__ = [
     "declared",
     "lower",
     "lowered_in",
+    "makes_runnable",
     "names",
     "schemas",
     "toolchain",
@@ -94,6 +95,11 @@ def check_target(job: JobConfig) -> None:
 
 def toolchain(job: JobConfig) -> dict[str, str]:
     return declared(job.backend.name).toolchain(job.backend)
+
+
+def makes_runnable(job: JobConfig) -> bool:
+    """Whether the job's backend, as configured, makes an artifact to run (not a report)."""
+    return declared(job.backend.name).output(job.backend).runtime is not None
 
 
 def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:

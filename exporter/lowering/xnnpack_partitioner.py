@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir.backend.canonical_partitioners.config_partitioner import format_target_name
+from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.backend.utils import WhyNoPartition
 from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
@@ -25,6 +26,7 @@ from exporter.lowering.partition import UNSUPPORTED
 from exporter.lowering.policy import Policy
 
 _XNNPACK_LOGGER = "executorch.backends.xnnpack"
+_LINEAR = torch.ops.aten.linear.default
 
 
 class PolicyPartitioner(XnnpackPartitioner):
@@ -37,6 +39,7 @@ class PolicyPartitioner(XnnpackPartitioner):
         self.small_blocks: dict[str, int] = {}
         # Node name -> XNNPACK's reason for refusing it.
         self.refusals: dict[str, str] = {}
+        self.partitioned = False
         for config in self.target_partitioner_configs.values():
             config.check_constraints = self._under_policy(config.check_constraints)
 
@@ -51,12 +54,30 @@ class PolicyPartitioner(XnnpackPartitioner):
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
-        # XNNPACK keeps ops it takes whole (linear) from decomposing, but only a delegate can
-        # run them so; a block dropped for its size must fall back to portable kernels, so
-        # with min_block_size > 1 everything decomposes first.
-        if self.policy.fallback.min_block_size > 1:
-            return [], None
-        return super().ops_to_not_decompose(ep)
+        """XNNPACK's own (linear and the ops it takes whole), and every linear besides: one that
+        XNNPACK refuses (a bfloat16 linear, or one the policy keeps off) then runs as
+        ExecuTorch's linear kernel, ten times as fast as the matmul it would decompose to.
+
+        ExecuTorch asks the returned check twice: while decomposing (keep this node?) and after
+        partitioning (was a kept node left behind? an error if so). A linear left on the CPU is
+        meant to be, so the check answers no once partitioning is over."""
+        # XNNPACK's other ops are kept whole for its delegate only: with min_block_size > 1 a
+        # block dropped for its size must fall back to portable kernels, so they decompose.
+        ops, check = [], None
+        if self.policy.fallback.min_block_size == 1:
+            ops, check = super().ops_to_not_decompose(ep)
+
+        def keep(node: torch.fx.Node) -> bool:
+            if node.target == _LINEAR:
+                return not self.partitioned
+            return check(node) if check else node.target in ops
+
+        return [*dict.fromkeys([*ops, _LINEAR])], keep
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        result = super().partition(exported_program)
+        self.partitioned = True
+        return result
 
     def get_matched_nodes_from_configs(self, ep: ExportedProgram) -> list[list[torch.fx.Node]]:
         # A match also carries the nodes its anchor takes along (the relu fused into a linear);

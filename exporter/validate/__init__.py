@@ -16,8 +16,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from exporter import interrupts
 from exporter.errors import RuntimeFailed
-from exporter.models import ModelBundle
-from exporter.validate.compare import compare
+from exporter.validate.compare import Tolerances, compare
 from exporter.validate.goldens import Goldens
 from exporter.validate.plan import LiveShape, label, run_order
 from exporter.validate.report import Execution, Report
@@ -25,25 +24,23 @@ from runtimes import Loaded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Report", "run"]
+__all__ = ["Report", "Tolerances", "run"]
 
 
 def run(
-    bundle: ModelBundle,
+    output_names: Sequence[str],
     load: Callable[[], Loaded],
     shapes: Sequence[LiveShape],
     goldens: Goldens,
-    atol: float,
-    rtol: float,
+    tolerances: Tolerances,
 ) -> Report:
     order = [(shape, "reused") for shape in run_order(shapes)] + [(shapes[0], "fresh")]
     log.info(
-        "[validate] %d live shapes (%s), %d executions, atol=%g rtol=%g",
+        "[validate] %d live shapes (%s), %d executions, %s",
         len(shapes),
         ", ".join(label(s) for s in shapes),
         len(order),
-        atol,
-        rtol,
+        tolerances.describe(),
     )
     instance = load()
     executions = []
@@ -54,33 +51,34 @@ def run(
             interrupts.check()
             if kind == "fresh":
                 instance = load()
-            execution = _execute(bundle, instance, shape, kind, goldens, atol, rtol)
+            execution = _execute(output_names, instance, shape, kind, goldens, tolerances)
             executions.append(execution)
             log.info(
-                "[validate] %2d/%d %-12s %-6s max_abs %.3g  %.3f ms  %s",
+                "[validate] %2d/%d %-12s %-6s max_abs %.3g (eager %.3g)  %.3f ms  %s",
                 number,
                 len(order),
                 label(shape),
                 kind,
                 max(s.max_abs for s in execution.outputs),
+                max(s.ref_max_abs for s in execution.outputs),
                 execution.latency_ms,
                 "ok" if execution.passed else "FAIL",
             )
             bar.update()
     target = getattr(instance, "target", {})
-    return Report(atol, rtol, bundle.output_names, tuple(shapes), tuple(executions), target)
+    return Report(tolerances, tuple(output_names), tuple(shapes), tuple(executions), target)
 
 
 def _execute(
-    bundle: ModelBundle,
+    output_names: Sequence[str],
     instance: Loaded,
     shape: LiveShape,
     kind: str,
     goldens: Goldens,
-    atol: float,
-    rtol: float,
+    tolerances: Tolerances,
 ) -> Execution:
     inputs, expected_outputs = goldens.cases[label(shape)]
+    references = goldens.reference[label(shape)]
     start = time.perf_counter()
     try:
         outputs = instance.run(inputs)
@@ -92,12 +90,27 @@ def _execute(
     if len(outputs) != len(expected_outputs):
         raise RuntimeFailed(
             f"the artifact returned {len(outputs)} outputs at {label(shape)}; "
-            f"the model returns {len(expected_outputs)} ({', '.join(bundle.output_names)})."
+            f"the model returns {len(expected_outputs)} ({', '.join(output_names)})."
         )
     stats = tuple(
-        compare(name, actual, expected, dtype, atol, rtol)
-        for name, actual, expected, dtype in zip(
-            bundle.output_names, outputs, expected_outputs, goldens.output_dtypes, strict=True
+        compare(
+            name,
+            actual,
+            expected,
+            dtype,
+            tolerances.atol,
+            tolerances.rtol,
+            reference,
+            tolerances.factor if tolerances.scaled else None,
+            tolerances.floor,
+        )
+        for name, actual, expected, dtype, reference in zip(
+            output_names,
+            outputs,
+            expected_outputs,
+            goldens.output_dtypes,
+            references,
+            strict=True,
         )
     )
     return Execution(shape, kind, latency_ms, stats)

@@ -1,11 +1,14 @@
-"""Golden outputs: the inputs of every planned live shape and eager float64 outputs for them,
-and the dtype of each output of eager at the model's own dtype, which the artifact must match."""
+"""Golden outputs: the inputs of every planned live shape, the float64 oracle's outputs for them,
+and eager PyTorch at the model's own dtype on the same inputs: the dtype of each of its outputs,
+which the artifact must match, and its error against the oracle, which the reference rule
+scales."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,49 +17,123 @@ from torch.utils import _pytree as pytree
 
 from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
+from exporter.validate.compare import ReferenceError, reference_error
+from exporter.validate.oracle import float64_weights
 from exporter.validate.plan import LiveShape, label
 
+log = logging.getLogger(__name__)
+
 GOLDENS_FILE = "goldens.pt"
+
+Inputs = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
 class Goldens:
     # Live shape label -> (inputs as the model sees them, float64 outputs as a flat list).
-    cases: dict[str, tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]]
+    cases: dict[str, tuple[Inputs, list[torch.Tensor]]]
     # Per output, flat as the cases' outputs: its dtype from the module as built. The float64
     # oracle cannot say it, and a runtime that returns another dtype is wrong however close.
     output_dtypes: tuple[torch.dtype, ...]
+    # Live shape label -> per output, eager's error at the model's dtype against the oracle.
+    reference: dict[str, list[ReferenceError]]
+    # Where eager ran for `reference`: the device kind of the artifact's target (cpu, cuda).
+    reference_device: str
 
 
-def compute(bundle: ModelBundle, shapes: Sequence[LiveShape], seed: int) -> Goldens:
-    oracle = copy.deepcopy(bundle.module).to(torch.float64)
-    cases = {}
-    for shape in shapes:
-        key = label(shape)
+def compute(
+    bundle: ModelBundle, shapes: Sequence[LiveShape], seed: int, reference_device: str
+) -> Goldens:
+    inputs = {
         # Seeded by the shape itself, so adding a shape to the plan changes no other's inputs.
-        inputs = bundle.make_inputs(shape, zlib.crc32(f"{seed}:{key}".encode()))
-        wide = [t.to(torch.float64) if t.is_floating_point() else t for t in inputs]
+        label(shape): bundle.make_inputs(shape, zlib.crc32(f"{seed}:{label(shape)}".encode()))
+        for shape in shapes
+    }
+    cases = {key: (case, _oracle(bundle.module, key, case)) for key, case in inputs.items()}
+    reference, output_dtypes = _reference(bundle.module, cases, reference_device)
+    return Goldens(cases, output_dtypes, reference, reference_device)
+
+
+def _oracle(module: torch.nn.Module, key: str, inputs: Inputs) -> list[torch.Tensor]:
+    """The module's outputs in float64, its weights widened one module at a time. A model whose
+    code reads another module's weights (not its own) cannot run that way; it gets a float64
+    copy of the whole model instead, which costs memory but not correctness."""
+    wide = [t.to(torch.float64) if t.is_floating_point() else t for t in inputs]
+
+    def layer_by_layer() -> list[torch.Tensor]:
+        with float64_weights(module):
+            return _run(module, wide)
+
+    def whole_copy() -> list[torch.Tensor]:
+        return _run(copy.deepcopy(module).to(torch.float64), wide)
+
+    try:
         try:
-            with torch.no_grad():
-                cases[key] = (inputs, pytree.tree_leaves(oracle(*wide)))
-        except Exception as error:
-            raise GoldensFailed(
-                f"the float64 oracle (the eager model in float64) could not run at {key}: "
-                f"{type(error).__name__}: {error}. No artifact was judged; the model must run "
-                "in float64 for its outputs to be checked."
-            ) from error
-    # The dtypes do not depend on the sizes: one run at the smallest shape, the cheapest, says.
-    smallest_inputs, _ = cases[label(shapes[0])]
+            return layer_by_layer()
+        except RuntimeError as error:
+            log.info(
+                "[goldens] the float64 oracle needs a float64 copy of the whole model at %s "
+                "(%s: %s)",
+                key,
+                type(error).__name__,
+                error,
+            )
+            return whole_copy()
+    except Exception as error:
+        raise GoldensFailed(
+            f"the float64 oracle (the eager model in float64) could not run at {key}: "
+            f"{type(error).__name__}: {error}. No artifact was judged; the model must run "
+            "in float64 for its outputs to be checked."
+        ) from error
+
+
+def _reference(
+    module: torch.nn.Module,
+    cases: dict[str, tuple[Inputs, list[torch.Tensor]]],
+    device: str,
+) -> tuple[dict[str, list[ReferenceError]], tuple[torch.dtype, ...]]:
+    """Eager at the model's dtype on `device`, judged against the oracle; the module returns to
+    the CPU after, where export reads it."""
+    on_device = module.to(device)
+    reference = {}
+    output_dtypes: tuple[torch.dtype, ...] = ()
+    try:
+        for key, (inputs, golden) in cases.items():
+            outputs = _run(on_device, [t.to(device) for t in inputs])
+            output_dtypes = tuple(output.dtype for output in outputs)
+            reference[key] = [
+                reference_error(output.cpu(), expected)
+                for output, expected in zip(outputs, golden, strict=True)
+            ]
+    except Exception as error:
+        raise GoldensFailed(
+            f"eager PyTorch at the model's dtype could not run on {device}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    finally:
+        module.to("cpu")
+    return reference, output_dtypes
+
+
+def _run(module: torch.nn.Module | Callable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
-        outputs = pytree.tree_leaves(bundle.module(*smallest_inputs))
-    return Goldens(cases, tuple(output.dtype for output in outputs))
+        return pytree.tree_leaves(module(*inputs))
 
 
 def save(goldens: Goldens, folder: Path) -> None:
-    # A plain dict: torch.load(weights_only=True) refuses classes it does not know, dtypes it
-    # loads.
-    torch.save(vars(goldens), folder / GOLDENS_FILE)
+    # Plain containers: torch.load(weights_only=True) refuses classes it does not know.
+    state = vars(goldens) | {
+        "reference": {
+            key: [vars(error) for error in errors] for key, errors in goldens.reference.items()
+        }
+    }
+    torch.save(state, folder / GOLDENS_FILE)
 
 
 def load(folder: Path) -> Goldens:
-    return Goldens(**torch.load(folder / GOLDENS_FILE, weights_only=True))
+    state = torch.load(folder / GOLDENS_FILE, weights_only=True)
+    state["reference"] = {
+        key: [ReferenceError(**error) for error in errors]
+        for key, errors in state["reference"].items()
+    }
+    return Goldens(**state)

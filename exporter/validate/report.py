@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
-from exporter.validate.compare import OutputStats
+from exporter.validate.compare import OutputStats, Tolerances
 from exporter.validate.plan import LiveShape, label
 
-# The statistics that are worse when larger, in report order.
-STATS = ("max_abs", "mean_abs", "max_rel", "p99_abs", "nrmse", "needed_atol")
+# The statistics that are worse when larger, in report order: the artifact's errors against
+# the float64 oracle, eager's at the model's dtype (ref_*), their ratio, and what would pass.
+STATS = (
+    "max_abs",
+    "mean_abs",
+    "max_rel",
+    "p99_abs",
+    "nrmse",
+    "ref_max_abs",
+    "ref_nrmse",
+    "ratio",
+    "needed_factor",
+    "needed_atol",
+)
+# The terminal's table: the errors the rules read.
+TABLE_STATS = ("max_abs", "ref_max_abs", "nrmse", "ref_nrmse", "ratio", "needed_atol")
 
 
 @dataclass(frozen=True)
@@ -41,8 +55,7 @@ class ShapeResult:
 
 @dataclass(frozen=True)
 class Report:
-    atol: float
-    rtol: float
+    tolerances: Tolerances
     output_names: tuple[str, ...]
     shapes: tuple[LiveShape, ...]
     executions: tuple[Execution, ...]
@@ -62,7 +75,7 @@ class Report:
                 ShapeResult(
                     shape=shape,
                     runs=len(runs),
-                    stats={stat: max(getattr(o, stat) for o in outputs) for stat in STATS},
+                    stats={stat: _worst(getattr(o, stat) for o in outputs) for stat in STATS},
                     latency_ms=min(run.latency_ms for run in runs),
                     passed=all(run.passed for run in runs),
                 )
@@ -70,15 +83,15 @@ class Report:
         return results
 
     def worst(self, stat: str) -> float:
-        return max(result.stats[stat] for result in self.by_shape())
+        return _worst(result.stats[stat] for result in self.by_shape())
 
     def failures(self) -> list[ShapeResult]:
         return [result for result in self.by_shape() if not result.passed]
 
     def failure_message(self) -> str:
         """Why validation failed: each output whose dtype is not eager's (no tolerance can pass
-        it), then the live shapes whose values differ beyond the tolerances, with the atol
-        that would pass them; a wrong dtype alone names no atol, which would be no fix."""
+        it), then the live shapes whose values differ beyond the rule, with the factor or atol
+        that would pass them; a wrong dtype alone names neither, which would be no fix."""
         outputs = [output for execution in self.executions for output in execution.outputs]
         sentences = list(
             dict.fromkeys(
@@ -89,13 +102,26 @@ class Report:
         )
         differ = [e.shape for e in self.executions if any(o.values_differ for o in e.outputs)]
         differing = [result for result in self.by_shape() if result.shape in differ]
-        if differing:
+        if differing and self.tolerances.scaled:
+            failed = ", ".join(
+                f"{label(r.shape)} (nrmse {r.stats['nrmse']:.3g}, eager "
+                f"{r.stats['ref_nrmse']:.3g}; max_abs {r.stats['max_abs']:.3g}, eager "
+                f"{r.stats['ref_max_abs']:.3g})"
+                for r in differing
+            )
+            sentences.append(
+                f"{len(differing)} of {len(self.shapes)} live shapes are less accurate than "
+                f"eager at the model's dtype beyond {self.tolerances.describe()}: {failed}. "
+                f"The smallest validate.factor that would pass them all is "
+                f"{self.worst('needed_factor'):.3g}."
+            )
+        elif differing:
             failed = ", ".join(
                 f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in differing
             )
             sentences.append(
                 f"{len(differing)} of {len(self.shapes)} live shapes differ from eager beyond "
-                f"atol={self.atol:g} rtol={self.rtol:g}: {failed}. The smallest atol that would "
+                f"{self.tolerances.describe()}: {failed}. The smallest atol that would "
                 f"pass them all is {self.worst('needed_atol'):.3g}."
             )
         return " ".join(sentences)
@@ -105,21 +131,20 @@ class Report:
             [
                 label(result.shape),
                 result.runs,
-                *(f"{result.stats[stat]:.3g}" for stat in STATS),
+                *(f"{result.stats[stat]:.3g}" for stat in TABLE_STATS),
                 f"{result.latency_ms:.3f}",
                 "ok" if result.passed else "FAIL",
             ]
             for result in self.by_shape()
         ]
-        headers = ["shape", "runs", *STATS, "latency_ms", "verdict"]
+        headers = ["shape", "runs", *TABLE_STATS, "latency_ms", "verdict"]
         return tabulate(rows, headers=headers, disable_numparse=True)
 
     def to_json(self) -> dict:
         return _json_safe(
             {
                 "passed": self.passed,
-                "atol": self.atol,
-                "rtol": self.rtol,
+                **asdict(self.tolerances),
                 "outputs": list(self.output_names),
                 "target": dict(self.target),
                 "shapes": [
@@ -144,6 +169,12 @@ class Report:
                 ],
             }
         )
+
+
+def _worst(values: Iterable[float]) -> float:
+    """The largest, NaN (not measured) only where every value is."""
+    measured = [value for value in values if not math.isnan(value)]
+    return max(measured) if measured else math.nan
 
 
 def _json_safe(value: object) -> object:

@@ -1,0 +1,77 @@
+"""The reference rule through the real command: a correct bfloat16 artifact passes where the
+absolute default fails it, and an artifact whose weights of one layer were scaled by 1.01 after
+lowering fails, in float32 and in bfloat16."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from exporter import config, models
+from tests.conftest import CONF_DIR, CliResult
+
+
+def weight_of(parameter: str, *overrides: str) -> torch.Tensor:
+    """The seeded weight the job's model stage builds."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        job = config.to_job(compose("config", overrides=list(overrides)))
+    bundle = models.build(job.model, job.dynamic)
+    return bundle.module.get_parameter(parameter).detach()
+
+
+def scaled_copy(artifact: Path, weight: torch.Tensor, factor: float, out: Path) -> Path:
+    """The artifact with `weight`'s bytes, found once in the file, replaced by weight * factor in
+    the same dtype: what a corrupted or stale artifact looks like to its runtime."""
+    data = artifact.read_bytes()
+    original = weight.contiguous().view(torch.uint8).numpy().tobytes()
+    assert data.count(original) == 1, "the weight is not stored as-is in the artifact"
+    scaled = (weight * factor).to(weight.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+    assert scaled != original
+    out.write_bytes(data.replace(original, scaled))
+    return out
+
+
+def test_a_float32_llama_with_one_layer_scaled_by_1_01_fails_the_reference_rule(
+    exporter_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    built = exporter_cli("model=llama", "backend=executorch", "mlflow=off")
+    assert built.exit_code == 0, built.output
+    layer = "model.model.layers.0.mlp.down_proj.weight"
+    tampered = scaled_copy(
+        built.run_dir / "model.pte", weight_of(layer, "model=llama"), 1.01, tmp_path / "t.pte"
+    )
+    judged = exporter_cli("model=llama", "backend=executorch", f"artifact={tampered}", "mlflow=off")
+    assert judged.exit_code == 1, judged.output
+    report = judged.report()
+    assert not report["passed"] and report["rule"] == "reference"
+    # Eager float32's error is ~1e-7; a 1% error in one layer is thousands of times that.
+    assert all(float(shape["ratio"]) > 100 for shape in report["shapes"])
+    assert "The smallest validate.factor that would pass them all is" in judged.output
+
+
+def test_bfloat16_a_correct_artifact_passes_where_atol_fails_and_a_scaled_head_fails(
+    exporter_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    bf16 = ("model=llama", "model.dtype=bfloat16", "backend=executorch", "mlflow=off")
+    built = exporter_cli(*bf16)
+    assert built.exit_code == 0, built.output
+    report = built.report()
+    shapes = report["shapes"]
+    # The artifact is as precise as eager bfloat16 (its error over eager's near 1), which is
+    # far beyond the absolute default's atol.
+    assert all(float(shape["ratio"]) < 1.5 for shape in shapes)
+    assert min(float(shape["max_abs"]) for shape in shapes) > report["atol"]
+
+    artifact = built.run_dir / "model.pte"
+    absolute = exporter_cli(*bf16, f"artifact={artifact}", "validate.rule=absolute")
+    assert absolute.exit_code == 1, absolute.output
+
+    head = weight_of("model.lm_head.weight", "model=llama", "model.dtype=bfloat16")
+    tampered = scaled_copy(artifact, head, 1.01, tmp_path / "t.pte")
+    judged = exporter_cli(*bf16, f"artifact={tampered}")
+    assert judged.exit_code == 1, judged.output
+    # A 1% error in bfloat16 is about two of its roundings: twice eager's error, not more.
+    assert max(float(shape["ratio"]) for shape in judged.report()["shapes"]) > 1.5
