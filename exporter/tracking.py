@@ -98,8 +98,10 @@ def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -
             _log_batched(store.client, run_id, {}, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
         store.client.log_artifacts(run_id, str(record.run_dir))
-        if record.artifact and not record.artifact.path.is_relative_to(record.run_dir):
-            store.client.log_artifact(run_id, str(record.artifact.path))
+        artifact = record.artifact
+        if artifact and not artifact.path.is_relative_to(record.run_dir):
+            for path in artifact.files():
+                store.client.log_artifact(run_id, str(path))
         with _serialized(store.uri):
             store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
     log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)

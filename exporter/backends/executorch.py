@@ -2,6 +2,8 @@
 run by ExecuTorch's runtime on the CPU.
 
 The fallback policy maps onto XNNPACK's partitioner (exporter/lowering/xnnpack_partitioner.py).
+`external_weights` puts the weights into model.ptd beside model.pte
+(exporter/lowering/executorch_program.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class ExecutorchConfig(BackendConfig):
     name: str = "executorch"
     atol: float = 1.0e-4
     rtol: float = 1.0e-3
+    # Weights in model.ptd, beside a model.pte that holds the program only: for weights past
+    # what one flatbuffer addresses (2 GB), and a data file the runtime can map.
+    external_weights: bool = False
 
 
 SCHEMA = ExecutorchConfig
@@ -34,7 +39,12 @@ def check(backend: ExecutorchConfig, fallback: FallbackConfig) -> None:
 
 
 def output(backend: ExecutorchConfig) -> Output:
-    return Output(file="model.pte", runtime=RUNTIME, device="cpu")
+    return Output(
+        file="model.pte",
+        runtime=RUNTIME,
+        device="cpu",
+        data_file="model.ptd" if backend.external_weights else None,
+    )
 
 
 def toolchain(backend: ExecutorchConfig) -> dict[str, str]:

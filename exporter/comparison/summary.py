@@ -75,7 +75,7 @@ class JobSummary:
         if record.error:
             summary.error = str(record.error)
         if record.artifact and record.artifact.path.exists():
-            summary.artifact_bytes = record.artifact.path.stat().st_size
+            summary.artifact_bytes = sum(path.stat().st_size for path in record.artifact.files())
             if record.artifact.partition:
                 summary.delegated_fraction = record.artifact.partition.delegated_fraction
                 summary.fallback_op_count = record.artifact.partition.fallback_op_count

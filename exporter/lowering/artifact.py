@@ -1,5 +1,5 @@
-"""What the lowering stage hands on: the deployable file, the runtime that loads it, the device
-it runs on, its partitioning."""
+"""What the lowering stage hands on: the deployable file (and the data file that travels with
+it), the runtime that loads it, the device it runs on, its partitioning."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ class Output:
     # to run (a dry run).
     runtime: str | None
     device: str
+    # A file of the artifact's data (weights) that must lie beside `file`, where the runtime
+    # loads it from (ExecuTorch's model.ptd); None where `file` holds everything. A model without
+    # weights may leave it unwritten.
+    data_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,22 @@ class Artifact:
     device: str
     # None where the backend runs everything itself, or the artifact came pre-built.
     partition: PartitionSummary | None
+    # The data file beside `path`, named after it as the runtime looks for it (a pre-built
+    # weights.pte has weights.ptd); it may not exist (see `Output.data_file`).
+    data_path: Path | None = None
 
     @classmethod
     def at(cls, path: Path, output: Output, partition: PartitionSummary | None) -> Artifact:
-        return cls(path=path, runtime=output.runtime, device=output.device, partition=partition)
+        data_path = path.with_suffix(Path(output.data_file).suffix) if output.data_file else None
+        return cls(
+            path=path,
+            runtime=output.runtime,
+            device=output.device,
+            partition=partition,
+            data_path=data_path,
+        )
+
+    def files(self) -> tuple[Path, ...]:
+        """The files that deploy together: the artifact and its data file where it has one."""
+        data = (self.data_path,) if self.data_path and self.data_path.exists() else ()
+        return (self.path, *data)

@@ -1,6 +1,10 @@
 """Lowering to an ExecuTorch program under a partitioner (XNNPACK's or WebGPU's): the exported
 program -> edge dialect -> partitioned into delegates -> a .pte, and the partition report of
-where every compute node ended up and why."""
+where every compute node ended up and why.
+
+With external weights the program's constants go to a data file beside the .pte (ExecuTorch's
+.ptd, a FlatTensor), those a delegate serializes as well as those left to the program's own
+kernels: the .pte keeps the program only."""
 
 from __future__ import annotations
 
@@ -10,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from executorch.exir import to_edge_transform_and_lower
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.lowered_backend_module import LoweredBackendModule
+from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
+from executorch.exir.passes.external_constants_pass import is_param_node
+from torch.export import ExportedProgram
 
 from exporter.export import Exported
 from exporter.files import atomic_path
@@ -29,17 +36,68 @@ def lowered_to_pte(
     target: Output,
     out_dir: Path,
 ) -> Artifact:
-    """Lowers with `partitioner` (its `listening()` context open) and writes the .pte; the
-    partition report places every node, with `why_on_cpu` for the nodes left out."""
+    """Lowers with `partitioner` (its `listening()` context open) and writes the .pte, and with
+    `target.data_file` the weights into that file beside it; the partition report places every
+    node, with `why_on_cpu` for the nodes left out."""
+    data_file = target.data_file
+    # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
+    tag = Path(data_file).stem if data_file else None
     with partitioner.listening():
-        edge = to_edge_transform_and_lower(exported.program, partitioner=[partitioner])
+        edge = to_edge_transform_and_lower(
+            exported.program,
+            transform_passes=[TagDelegateConstants(tag)] if tag else None,
+            partitioner=[partitioner],
+        )
     partition = summarize(edge.exported_program().graph_module, why_on_cpu)
     log.info("[lower] %s", partition.describe())
-    program = edge.to_executorch()
+    # The constants no delegate took are tagged here, as they are emitted.
+    program = edge.to_executorch(
+        ExecutorchBackendConfig(external_constants=(lambda _node: tag) if tag else False)
+    )
     path = out_dir / target.file
     with atomic_path(path) as temporary, temporary.open("wb") as file:
         program.write_to_file(file)
+    if data_file:
+        # Written straight into `out_dir`, a folder of this job's own (the cache's staging
+        # folder or the run dir's partial one) that a failed job never publishes.
+        program.write_tensor_data_to_file(str(out_dir))
+        _log_sizes(path, out_dir / data_file)
     return Artifact.at(path, target, partition)
+
+
+class TagDelegateConstants(ExportedProgramPassBase):
+    """Tags the edge program's weights (parameters, buffers, lifted constants) for the data
+    file `tag`: a delegate that serializes a tagged constant (XNNPACK does) puts it into the
+    program's named data under that tag, which ExecuTorch writes to `<tag>.ptd`.
+
+    ExecuTorch 1.5's documented route tags the unlifted module's get_attr nodes and exports
+    again (`delegate_external_constants_pass_unlifted`); tagging the lifted program's
+    placeholders after edge conversion sets the same `delegate_constant_tag` without a second
+    export, which would need the model's inputs and dynamic shapes here."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def call(self, exported_program: ExportedProgram) -> ExportedProgramPassResult:
+        tagged = False
+        for node in exported_program.graph_module.graph.nodes:
+            if node.op == "placeholder" and is_param_node(exported_program, node):
+                node.meta.setdefault("custom", {})["delegate_constant_tag"] = self.tag
+                tagged = True
+        return ExportedProgramPassResult(exported_program, tagged)
+
+
+def _log_sizes(program: Path, data: Path) -> None:
+    if data.exists():
+        log.info(
+            "[lower] %s: %d bytes; weights in %s: %d bytes",
+            program.name,
+            program.stat().st_size,
+            data.name,
+            data.stat().st_size,
+        )
+    else:
+        log.info("[lower] %s holds no weights to keep outside; no %s", program.name, data.name)
 
 
 def announced_policy(partitioner: str, fallback: Any, exported: Exported) -> Policy:
