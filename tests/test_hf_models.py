@@ -191,6 +191,15 @@ def test_a_config_without_weights_is_refused(tmp_path: Path) -> None:
         models.build(hf(tmp_path), SEQ)
 
 
+def test_weights_of_another_shape_are_refused(checkpoints, tmp_path: Path) -> None:
+    saved = json.loads((checkpoints("llama") / "config.json").read_text())
+    for file in checkpoints("llama").iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "intermediate_size": 96}))
+    with pytest.raises(ConfigError, match=r"cannot load its weights.*ignore_mismatched_sizes"):
+        models.build(hf(tmp_path), SEQ)
+
+
 def test_weights_that_lack_a_tensor_are_refused_not_drawn_at_random(checkpoints, tmp_path) -> None:
     # A headless Llama's weights under LlamaForCausalLM's names: all but lm_head.
     torch.manual_seed(0)
@@ -201,7 +210,7 @@ def test_weights_that_lack_a_tensor_are_refused_not_drawn_at_random(checkpoints,
     (tmp_path / "config.json").write_text(
         json.dumps({**saved, "architectures": ["LlamaForCausalLM"]})
     )
-    with pytest.raises(ConfigError, match=r"lack or mis-shape \d+ .*lm_head\.weight"):
+    with pytest.raises(ConfigError, match=r"lack 1 of the model's tensors \(lm_head\.weight\)"):
         models.build(hf(tmp_path), SEQ)
 
 

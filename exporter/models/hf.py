@@ -114,13 +114,14 @@ def load(directory: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreTr
         raise ConfigError(
             f"model.checkpoint={directory}: cannot load its weights: {error}"
         ) from error
-    # transformers fills a tensor the files lack (or hold at another shape) with random values
-    # and only warns: that would export and validate a model nobody trained.
-    absent = sorted(info["missing_keys"]) + sorted(str(key) for key in info["mismatched_keys"])
-    if absent:
+    # transformers fills a tensor the files lack with random values and only warns (one they
+    # hold at another shape raises, above): that would export and validate a model nobody
+    # trained.
+    missing = sorted(info["missing_keys"])
+    if missing:
         raise ConfigError(
-            f"model.checkpoint={directory}: its weights lack or mis-shape {len(absent)} of the "
-            f"model's tensors ({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''}); "
+            f"model.checkpoint={directory}: its weights lack {len(missing)} of the model's "
+            f"tensors ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
             "transformers would draw them at random."
         )
     return model.eval()
