@@ -75,8 +75,25 @@ class LlamaConfig(ModelConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
-            raise ConfigError(f"model.checkpoint={self.checkpoint}: no such directory.")
+        if self.checkpoint is not None:
+            _check_directory(self.checkpoint)
+
+
+@dataclass
+class HfConfig(ModelConfig):
+    """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained()),
+    loaded by transformers' own classes at `dtype`; never the network, never remote code."""
+
+    checkpoint: str = MISSING
+
+    def __post_init__(self) -> None:
+        _check_directory(self.checkpoint)
+
+
+def _check_directory(checkpoint: str) -> None:
+    # Here rather than in the builder: a wrong path fails at compose, before torch is loaded.
+    if not Path(checkpoint).is_dir():
+        raise ConfigError(f"model.checkpoint={checkpoint}: no such directory.")
 
 
 @dataclass

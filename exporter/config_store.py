@@ -13,6 +13,7 @@ from exporter.config import (
     CustomModelConfig,
     EncoderConfig,
     FallbackConfig,
+    HfConfig,
     JobConfig,
     LlamaConfig,
     MaskedConfig,
@@ -30,6 +31,7 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="job_schema", node=JobConfig)
     store.store(group="schema/model", name="llama", node=LlamaConfig)
+    store.store(group="schema/model", name="hf", node=HfConfig)
     store.store(group="schema/model", name="mlp", node=MlpConfig)
     store.store(group="schema/model", name="moe", node=MoeConfig)
     store.store(group="schema/model", name="masked", node=MaskedConfig)

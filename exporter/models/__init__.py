@@ -13,6 +13,7 @@ from exporter.config import (
     CustomModelConfig,
     DimBounds,
     EncoderConfig,
+    HfConfig,
     LlamaConfig,
     MaskedConfig,
     MlpConfig,
@@ -30,6 +31,7 @@ from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration, to
 # a model's cache key sees its own module, not every model's.
 _BUILDERS: dict[type[ModelConfig], str] = {
     LlamaConfig: "llama",
+    HfConfig: "hf",
     MlpConfig: "mlp",
     MoeConfig: "moe",
     MaskedConfig: "masked",

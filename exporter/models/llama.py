@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -13,18 +12,9 @@ from transformers import LlamaForCausalLM
 
 from exporter.config import LlamaConfig
 from exporter.errors import ConfigError
+from exporter.models import hf
 from exporter.models.bundle import ModelDeclaration, torch_dtype
-
-
-class LogitsOnly(torch.nn.Module):
-    """Token ids in, logits out, no KV cache: the signature export and every runtime see."""
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
+from exporter.models.causal_lm import declare_causal_lm
 
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
@@ -33,20 +23,7 @@ def declare(cfg: LlamaConfig) -> ModelDeclaration:
         model = _load_checkpoint(Path(cfg.checkpoint), dtype)
     else:
         model = _random_model(cfg, dtype)
-    vocab_size = model.config.vocab_size
-
-    def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
-        generator = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator),)
-
-    return ModelDeclaration(
-        module=LogitsOnly(model).eval(),
-        input_names=("input_ids",),
-        output_names=("logits",),
-        dim_axes={"seq": (("input_ids", 1),)},
-        dim_limits={"seq": model.config.max_position_embeddings},
-        make_inputs=make_inputs,
-    )
+    return declare_causal_lm(model, model.config.max_position_embeddings)
 
 
 def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -76,21 +53,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _load_checkpoint(directory: Path, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Loads a local Hugging Face checkpoint directory; never touches the network."""
-    config_file = directory / "config.json"
-    if not config_file.is_file():
+    """A local Llama checkpoint; any other causal LM is model=hf's."""
+    config = hf.read_config(directory)
+    if config.model_type != "llama":
         raise ConfigError(
-            f"model.checkpoint={directory}: not a Hugging Face checkpoint (no config.json); "
-            "point it at a directory written by save_pretrained()."
+            f"model.checkpoint={directory}: model_type is {config.model_type!r}; model=llama "
+            f"loads 'llama' checkpoints. Use model=hf model.checkpoint={directory} for any "
+            "causal LM transformers implements."
         )
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type != "llama":
-        raise ConfigError(
-            f"model.checkpoint={directory}: model_type is {model_type!r}; "
-            "model=llama loads 'llama' checkpoints."
-        )
-    try:
-        model = LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.checkpoint={directory}: cannot load it: {error}") from error
-    return model.eval()
+    return hf.load(directory, config, dtype)
