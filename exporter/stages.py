@@ -40,6 +40,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     cache = Cache(Path(job.cache_dir)) if job.cache else None
     with stage(record, "model", notify):
         bundle = models.build(job.model, job.dynamic)
+        record.weight_bytes = models.weight_bytes(bundle.module)
         model_material = cache_keys.model(job)
     if job.artifact:
         artifact = backends.adopt(Path(job.artifact), job)
