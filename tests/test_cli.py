@@ -75,8 +75,10 @@ def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: Cl
 
 def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: CliResult) -> None:
     summary = json.loads((mlp_job.run_dir / "summary.json").read_text())
-    stages = ["config", "model", "export", "lower", "goldens", "validate"]
-    assert list(summary["peak_rss_bytes"]) == list(summary["seconds"]) == stages
+    # One entry per stage that ran, in the order they ran, whatever that order is.
+    stages = list(summary["seconds"])
+    assert list(summary["peak_rss_bytes"]) == stages
+    assert set(stages) == {"config", "model", "export", "lower", "goldens", "validate"}
     # The MLP's three float32 layers, 32 -> 64 -> 64 -> 16; the process holds torch besides.
     weights = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16) * 4
     assert summary["weight_bytes"] == weights
