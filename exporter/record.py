@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts
+from exporter import config, interrupts, memory
 from exporter.errors import STAGE_ERRORS, ExporterError, TrackingFailed
 from exporter.files import write_bytes
 
@@ -63,6 +63,15 @@ class JobRecord:
     stage: str | None = None
     # Wall seconds per stage that ran, in order: {"export": 1.2, "lower": 30.5, ...}.
     seconds: dict[str, float] = field(default_factory=dict)
+    # Peak RSS in bytes of the worker process per stage that ran (exporter/memory.py: its own
+    # peak on Linux, the process's so far elsewhere, as `peak_rss_scope` says), and over the job
+    # from its worker's start to its last stage's end. Host memory only: with
+    # backend.device=cuda the GPU's memory is not in it.
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    job_peak_rss_bytes: int | None = None
+    peak_rss_scope: str | None = None
+    # The model's parameters and buffers, each storage counted once (the model stage's).
+    weight_bytes: int | None = None
     # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.
     diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
@@ -168,12 +177,15 @@ def keep_traceback(error: ExporterError, run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
-    """Times and announces the stage; an unexpected exception in it becomes the stage's
-    ExporterError. Its start and end are the points where a requested stop happens."""
+    """Times and announces the stage and measures its peak RSS; an unexpected exception in it
+    becomes the stage's ExporterError. Its start and end are the points where a requested stop
+    happens."""
     interrupts.check()
     record.stage = name
     notify("stage", name)
     log.info("[%s] started", name)
+    # What ran since the last stage (opening the MLflow run) counts for the job's peak.
+    _note_job_peak(record, memory.reset_peak())
     start = time.perf_counter()
     try:
         yield
@@ -183,5 +195,17 @@ def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
         raise STAGE_ERRORS[name](f"{type(error).__name__}: {error}") from error
     finally:
         record.seconds[name] = time.perf_counter() - start
-    log.info("[%s] done in %.1f s", name, record.seconds[name])
+        record.peak_rss_bytes[name] = memory.peak_rss()
+        record.peak_rss_scope = memory.scope()
+        _note_job_peak(record, record.peak_rss_bytes[name])
+    log.info(
+        "[%s] done in %.1f s, peak RSS %.2f GB",
+        name,
+        record.seconds[name],
+        record.peak_rss_bytes[name] / memory.GB,
+    )
     interrupts.check()
+
+
+def _note_job_peak(record: JobRecord, peak: int) -> None:
+    record.job_peak_rss_bytes = max(record.job_peak_rss_bytes or 0, peak)

@@ -42,6 +42,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     cache = Cache(Path(job.cache_dir)) if job.cache else None
     with stage(record, "model", notify):
         bundle = models.build(job.model, job.dynamic)
+        record.weight_bytes = models.weight_bytes(bundle.module)
         model_material = cache_keys.model(job)
     output_names = bundle.output_names
     expected = None

@@ -32,6 +32,7 @@ from exporter import tracking_server
 from exporter.comparison import JobSummary
 from exporter.config import MlflowConfig
 from exporter.errors import ExporterError, TrackingFailed, TrackingUnavailable
+from exporter.memory import GB
 from exporter.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import label, steps
 
@@ -199,12 +200,19 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     """The summary's figures, as the comparison table shows them, and the report's per shape."""
     at = record.ended_ms or now_ms()
     metrics = [Metric(f"{stage}_s", seconds, at, 0) for stage, seconds in summary.seconds.items()]
+    metrics += [
+        Metric(f"{stage}_peak_rss_gb", peak / GB, at, 0)
+        for stage, peak in summary.peak_rss_bytes.items()
+    ]
     figures = {
         "artifact_bytes": summary.artifact_bytes,
         "delegated_fraction": summary.delegated_fraction,
         "fallback_op_count": summary.fallback_op_count,
         "worst_max_abs_err": summary.worst_max_abs_err,
         "worst_nrmse": summary.worst_nrmse,
+        "peak_rss_gb": _gb(summary.job_peak_rss_bytes),
+        "weight_gb": _gb(summary.weight_bytes),
+        "peak_rss_over_weights": summary.peak_rss_over_weights,
     }
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
@@ -232,6 +240,10 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     return metrics
 
 
+def _gb(size: int | None) -> float | None:
+    return None if size is None else size / GB
+
+
 def _step_tags(record: JobRecord) -> dict[str, str]:
     """With several dynamic dims a metric's step is the shape's position in the plan; these
     tags say which shape each step is (`step.3` = `batch=8,seq=1`)."""
@@ -253,6 +265,8 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     if summary.draft:
         # The program came from draft_export: valid for inputs that branch like the example.
         tags["export.draft"] = "true"
+    if summary.peak_rss_scope:
+        tags["peak_rss_scope"] = summary.peak_rss_scope
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
     if summary.error:

@@ -73,6 +73,28 @@ def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: Cl
     assert {"model.pte", "program.pt2", "config.yaml", ".hydra", "report.json"} <= artifacts
 
 
+def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: CliResult) -> None:
+    summary = json.loads((mlp_job.run_dir / "summary.json").read_text())
+    # One entry per stage that ran, in the order they ran, whatever that order is.
+    stages = list(summary["seconds"])
+    assert list(summary["peak_rss_bytes"]) == stages
+    assert set(stages) == {"config", "model", "export", "lower", "goldens", "validate"}
+    # The MLP's three float32 layers, 32 -> 64 -> 64 -> 16; the process holds torch besides.
+    weights = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16) * 4
+    assert summary["weight_bytes"] == weights
+    job_peak = summary["job_peak_rss_bytes"]
+    assert job_peak == max(summary["peak_rss_bytes"].values()) > 100 * weights
+    assert summary["peak_rss_scope"] == "stage"
+    (run,) = mlp_job.mlflow_runs()
+    metrics = run.data.metrics
+    assert metrics["weight_gb"] == weights / 1e9
+    assert metrics["peak_rss_gb"] == job_peak / 1e9
+    assert metrics["peak_rss_over_weights"] == pytest.approx(job_peak / weights)
+    for stage in stages:
+        assert metrics[f"{stage}_peak_rss_gb"] == summary["peak_rss_bytes"][stage] / 1e9
+    assert "[validate] done in" in mlp_job.output and "peak RSS" in mlp_job.output
+
+
 def test_llama_on_executorch_matches_eager_at_every_planned_size(
     exporter_cli: Callable[..., CliResult],
 ) -> None:

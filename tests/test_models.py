@@ -138,3 +138,22 @@ def test_checkpoint_job_runs_from_the_command_line(
     (run,) = result.mlflow_runs()
     assert run.data.params["model.checkpoint"] == str(directory)
     assert result.report()["passed"]
+
+
+def test_weight_bytes_count_tied_weights_and_buffers_once() -> None:
+    embedding = torch.nn.Embedding(100, 8)
+    head = torch.nn.Linear(8, 100, bias=False)
+    head.weight = embedding.weight
+    module = torch.nn.Sequential(embedding, head)
+    module.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+    # A second parameter object over the same storage (as a checkpoint loader may make).
+    module.register_parameter("alias", torch.nn.Parameter(embedding.weight.data))
+    assert models.weight_bytes(module) == 100 * 8 * 4 + 4 * 8
+
+
+def test_a_llama_with_tied_embeddings_weighs_one_embedding_less() -> None:
+    untied = models.build(small_llama(), SEQ).module
+    tied = models.build(small_llama(tie_word_embeddings=True), SEQ).module
+    parameters = {id(p): p.numel() * p.element_size() for p in untied.parameters()}
+    assert models.weight_bytes(untied) >= sum(parameters.values())
+    assert models.weight_bytes(untied) - models.weight_bytes(tied) == 128 * 32 * 4

@@ -48,6 +48,13 @@ class JobSummary:
     draft: bool = False
     # Wall seconds per stage that ran: config, model, export, lower, goldens, validate.
     seconds: dict[str, float] = field(default_factory=dict)
+    # Peak RSS of the job's worker per stage that ran and over the job, the model's weights, and
+    # the job's peak over them (JobRecord says what each covers). Host memory only.
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    job_peak_rss_bytes: int | None = None
+    peak_rss_scope: str | None = None
+    weight_bytes: int | None = None
+    peak_rss_over_weights: float | None = None
     # Per cached stage: whether its work came from the cache, and the key of its entry.
     cache_hits: dict[str, bool] = field(default_factory=dict)
     cache_keys: dict[str, str] = field(default_factory=dict)
@@ -69,11 +76,17 @@ class JobSummary:
             exit_code=record.exit_code,
             failed_stage=record.failed_stage,
             seconds=dict(record.seconds),
+            peak_rss_bytes=dict(record.peak_rss_bytes),
+            job_peak_rss_bytes=record.job_peak_rss_bytes,
+            peak_rss_scope=record.peak_rss_scope,
+            weight_bytes=record.weight_bytes,
             cache_hits=dict(record.cache_hits),
             cache_keys=dict(record.cache_keys),
         )
         if record.error:
             summary.error = str(record.error)
+        if record.job_peak_rss_bytes and record.weight_bytes:
+            summary.peak_rss_over_weights = record.job_peak_rss_bytes / record.weight_bytes
         if record.artifact and record.artifact.path.exists():
             summary.artifact_bytes = sum(path.stat().st_size for path in record.artifact.files())
             if record.artifact.partition:

@@ -24,7 +24,13 @@ from exporter.config import (
 from exporter.errors import ConfigError
 from exporter.fingerprint import PROJECT_ROOT, code_of
 from exporter.models import custom
-from exporter.models.bundle import DynamicDim, ModelBundle, ModelDeclaration, torch_dtype
+from exporter.models.bundle import (
+    DynamicDim,
+    ModelBundle,
+    ModelDeclaration,
+    torch_dtype,
+    weight_bytes,
+)
 
 # Each schema's builder: the module of this package whose declare() builds it. Imported when its
 # model is built, so a job imports only its own model's libraries (transformers for llama), and
@@ -48,6 +54,7 @@ __all__ = [
     "checkpoint_files",
     "code",
     "torch_dtype",
+    "weight_bytes",
 ]
 
 

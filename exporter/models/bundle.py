@@ -57,5 +57,16 @@ class ModelDeclaration:
     make_inputs: InputMaker
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes the module's parameters and buffers hold, each storage counted once: tied
+    weights (an output projection sharing the token embedding's) and views share one."""
+    tensors = [*module.parameters(), *module.buffers()]
+    storages: dict[tuple[torch.device, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 def torch_dtype(dtype: ModelDtype) -> torch.dtype:
     return getattr(torch, dtype.value)

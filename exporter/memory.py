@@ -1,0 +1,67 @@
+"""Peak resident memory (RSS) of the job's worker process, per stage and for the whole job.
+
+On Linux a stage starts by resetting the process's high-water mark (writing "5" to
+/proc/self/clear_refs) and ends by reading it (VmHWM in /proc/self/status): the stage's own peak.
+Elsewhere, or where the kernel refuses the reset, the figure is getrusage's ru_maxrss, the
+process's peak since it started: a stage's figure is then the job's peak so far, not its own, and
+`scope()` says "process" instead of "stage".
+
+What is measured is the worker's resident set in host memory. For backend.device=cuda the
+tensors on the GPU are not in it (only the host's copies and the CUDA runtime's own memory are),
+nor is the memory of child processes (the compiler AOTInductor runs). Imports no torch: the
+command's process, which stays small, imports this through the job's record.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import resource
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_HWM = re.compile(r"^VmHWM:\s+(\d+) kB$", re.MULTILINE)
+# Whether the high-water mark can be reset; None until the first reset tries.
+_resettable: bool | None = None
+
+
+def reset_peak() -> int:
+    """The peak RSS in bytes since the last reset (or the process's start), then resets it where
+    this system can: what follows is measured from the current RSS up."""
+    global _resettable
+    peak = peak_rss()
+    if _resettable is not False:
+        try:
+            _CLEAR_REFS.write_text("5")
+            _resettable = True
+        except OSError as error:
+            _resettable = False
+            log.info(
+                "cannot reset the peak RSS (%s); each stage's peak RSS is the process's since it "
+                "started",
+                error,
+            )
+    return peak
+
+
+def peak_rss() -> int:
+    """The peak RSS in bytes since the last reset: VmHWM where the reset works, else the
+    process's peak since it started (ru_maxrss)."""
+    if _resettable:
+        match = _HWM.search(_STATUS.read_text())
+        if match:
+            return int(match.group(1)) * 1024
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Bytes on macOS, KiB on Linux and the BSDs.
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def scope() -> str:
+    """What a stage's peak covers: "stage" (its own) or "process" (the process's so far)."""
+    return "stage" if _resettable else "process"
