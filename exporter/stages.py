@@ -1,4 +1,4 @@
-"""The stages of a job after its config is checked: model -> goldens -> export -> lower ->
+"""The stages of a job after its config is checked: model -> export -> goldens -> lower ->
 validate, each taking what the ones before returned. They load torch; the job's frame
 (exporter/pipeline.py) imports them once the config stage has passed, so a configuration error
 is answered without loading it.
@@ -11,7 +11,6 @@ the run dir gets links to them either way.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import shutil
 import tempfile
@@ -19,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from exporter import backends, cache_keys, config, export, models, validate
+from exporter import backends, cache_keys, config, export, memory, models, validate
 from exporter.backends import Artifact
 from exporter.cache import Cache, key_of, link_files
 from exporter.errors import RuntimeFailed, ValidationFailed
@@ -45,30 +44,31 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         record.weight_bytes = models.weight_bytes(bundle.module)
         model_material = cache_keys.model(job)
     output_names = bundle.output_names
+    if not job.artifact:
+        with stage(record, "export", notify):
+            export_material = cache_keys.export(job, model_material)
+            profiles = export.profiles(bundle)
+            _export(cache, record, job, bundle, export_material)
     expected = None
-    # Goldens come before export: the oracle and eager's reference run on the module, which can
-    # then be let go before the lowering, so a model is never held twice there.
     if backends.makes_runnable(job):
+        # Before lowering: the oracle and eager's reference run on the module, which then goes,
+        # so no stage holds both the model and its exported program.
         with stage(record, "goldens", notify):
             seed = job.validate.seed
             shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
             expected = _goldens(cache, record, job, bundle, model_material, shapes)
+    del bundle
+    memory.release_freed()
     if job.artifact:
-        del bundle
         artifact = backends.adopt(Path(job.artifact), job)
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
-        with stage(record, "export", notify):
-            export_material = cache_keys.export(job, model_material)
-            exported = _export(cache, record, job, bundle, export_material)
-        # The exported program holds its own weights (loaded from program.pt2); the module's
-        # go now, and an nn.Module's reference cycles would keep them until a collection.
-        del bundle
-        gc.collect()
         with stage(record, "lower", notify):
+            # Loaded here, from program.pt2, with weights of its own.
+            exported = export.load(record.run_dir, profiles)
             artifact = _lower(cache, record, job, exported, export_material)
         del exported
-        gc.collect()
+        memory.release_freed()
     record.artifact = artifact
     if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
@@ -126,9 +126,9 @@ def _export(
     job: config.JobConfig,
     bundle: models.ModelBundle,
     material: dict[str, Any],
-) -> Exported:
-    """The exported program, linked into the run dir; a failed export leaves its diagnosis
-    there (export_report.json / .txt) instead."""
+) -> None:
+    """Links the exported program (program.pt2) into the run dir; a failed export leaves its
+    diagnosis there (export_report.json / .txt) instead."""
 
     def build(out: Path) -> None:
         export.run(bundle, job.export.on_failure, out)
@@ -140,9 +140,7 @@ def _export(
         record.diagnosis = failure.diagnosis
         failure.diagnosis.write(record.run_dir)
         raise
-    exported = export.load(record.run_dir, bundle)
-    record.diagnosis = exported.diagnosis
-    return exported
+    record.diagnosis = export.Diagnosis.read(record.run_dir)
 
 
 def _lower(

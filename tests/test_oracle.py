@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from exporter.validate import oracle
 from exporter.validate.oracle import float64_weights
 
 
@@ -64,3 +66,20 @@ def test_at_most_one_modules_weights_are_float64_at_any_time() -> None:
     total = sum(t.numel() for t in model.parameters())
     assert 0 < max(peaks) <= largest_own < total / 2
     assert float64_elements(model) == 0
+
+
+def test_a_linear_layer_widened_in_slices_of_rows_gives_the_float64_layers_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 100 rows of 64 inputs in slices of 24 rows: five slices, the last one short.
+    monkeypatch.setattr(oracle, "_SLICE_ELEMENTS", 24 * 64)
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(64, 100).to(torch.bfloat16)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = copy.deepcopy(layer).to(torch.float64)(x.to(torch.float64))
+        with float64_weights(layer):
+            sliced = layer(x)
+    assert sliced.dtype == torch.float64
+    torch.testing.assert_close(sliced, expected, rtol=1e-13, atol=1e-13)
+    assert "forward" not in vars(layer) and layer.weight.dtype == torch.bfloat16

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 PROGRAM_FILE = "program.pt2"
 
-__all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "run"]
+__all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "profiles", "run"]
 
 
 class ExportDiagnosed(ExportFailed):
@@ -97,9 +97,14 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     return Exported(program, path, shapes.profiles(bundle), diagnosis)
 
 
-def load(folder: Path, bundle: ModelBundle) -> Exported:
-    """The program that `run` saved into `folder` (or a copy of it) for `bundle`, as `run`
-    returned it."""
+def profiles(bundle: ModelBundle) -> tuple[shapes.InputProfile, ...]:
+    """What `load` needs of the model besides the program: its inputs' shapes at the bounds."""
+    return shapes.profiles(bundle)
+
+
+def load(folder: Path, profiles: tuple[shapes.InputProfile, ...]) -> Exported:
+    """The program that `run` saved into `folder` (or a copy of it), as `run` returned it for
+    the bundle `profiles` came from."""
     path = folder / PROGRAM_FILE
     program = torch.export.load(path)
-    return Exported(program, path, shapes.profiles(bundle), Diagnosis.read(folder))
+    return Exported(program, path, profiles, Diagnosis.read(folder))
