@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from exporter import interrupts
+from exporter import interrupts, memory
 from exporter.errors import RuntimeFailed
 from exporter.validate.compare import Tolerances, compare
 from exporter.validate.goldens import Goldens
@@ -50,6 +50,9 @@ def run(
         for number, (shape, kind) in enumerate(order, start=1):
             interrupts.check()
             if kind == "fresh":
+                # The reused instance goes first: a 1B model's artifact is not loaded twice.
+                del instance
+                memory.release_freed()
                 instance = load()
             execution = _execute(output_names, instance, shape, kind, goldens, tolerances)
             executions.append(execution)
