@@ -73,11 +73,27 @@ def test_tolerances_come_from_the_backend_unless_validate_overrides_them() -> No
         ("validate.random_shapes=-1", "validate.random_shapes is -1"),
         ("validate.atol=-1", "The tolerance atol is -1.0"),
         ("artifact=/no/such.pte", "artifact=/no/such.pte: no such file"),
+        ("validate.factor=0.5", "validate.factor is 0.5; it must be 1 or more"),
+        ("validate.floor=-1", "validate.floor is -1.0; it must be 0 or more"),
+        (
+            "model.dtype=float16 backend=webgpu",
+            "model.dtype=float16: backend=webgpu computes in float32 only",
+        ),
     ],
 )
 def test_values_outside_their_range_are_config_errors(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        config.to_job(composed(override))
+        config.to_job(composed(*override.split()))
+
+
+def test_the_reference_rule_is_the_default_with_a_factor_per_dtype() -> None:
+    job = config.to_job(composed())
+    assert (job.validate.rule.value, job.factor, job.validate.floor) == ("reference", 3.0, 1e-6)
+    half = config.to_job(composed("model.dtype=bfloat16"))
+    assert half.factor == 1.5
+    assert config.to_job(composed("model.dtype=bfloat16", "validate.factor=4")).factor == 4
+    assert config.to_job(composed("model=llama_1b")).model.dtype.value == "bfloat16"
+    assert config.to_job(composed("validate.rule=absolute")).validate.rule.value == "absolute"
 
 
 def test_wrong_types_and_keys_fail_at_compose_time() -> None:
