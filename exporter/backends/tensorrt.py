@@ -306,7 +306,7 @@ def lower(
         return Artifact.at(report, target, partition)
     path = out_dir / target.file
     # out_dir is a staging folder nobody reads before lowering returns, so save writes in place
-    # (the executorch format puts sidecar files beside the .pte under the same name).
+    # (the executorch format writes one .pte holding the program and the engines as data).
     extra = (
         {"pickle_protocol": 4}
         if backend.output_format is TensorrtOutputFormat.exported_program
