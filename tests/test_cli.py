@@ -135,7 +135,9 @@ def test_weights_perturbed_after_lowering_fail_validation(
     assert untouched.exit_code == 0, untouched.output
 
     result = exporter_cli("model=mlp", f"artifact={perturbed}")
-    assert_user_error(result, 1, "live shapes differ from eager", "smallest atol that would pass")
+    assert_user_error(
+        result, 1, "less accurate than eager at the model's dtype", "smallest validate.factor"
+    )
     report = result.report()
     assert not report["passed"]
     assert all(not shape["passed"] for shape in report["shapes"])
