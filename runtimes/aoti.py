@@ -26,13 +26,28 @@ class AotiPackage:
     def __init__(self, path: Path, device: str = "cpu") -> None:
         _share_libstdcxx()
         self._device = torch.device(device)
-        self._model = aoti_load_package(str(path))
+        self._model = _load(path)
         compiled_for = self._model.get_metadata().get(_DEVICE_KEY, self._device.type)
         if compiled_for != self._device.type:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return on_device.call(self._model, inputs, self._device)
+
+
+def _load(path: Path) -> object:
+    """A package whose weights are pickled beside the .so (exporter/backends/aoti.py) needs
+    them loaded from the archive and handed to the model, which uses them in place
+    (user_managed): one copy of the weights. `aoti_load_package` leaves them out."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        pickled = any(name.endswith("weights_config.json") for name in archive.namelist())
+    if not pickled:
+        return aoti_load_package(str(path))
+    from torch.export.pt2_archive._package import load_pt2
+
+    return load_pt2(str(path), load_weights_from_disk=True).aoti_runners["model"]
 
 
 def _share_libstdcxx() -> None:

@@ -62,6 +62,8 @@ def toolchain(backend: AotiConfig) -> dict[str, str]:
     return {
         "device": torch_device.describe(backend.device),
         "compiler": version[0] if version else "",
+        # Where the package keeps the weights: it changes the artifact, so it is in the key.
+        "weights": ",".join(f"{k}={v}" for k, v in sorted(_inductor_configs().items())),
     }
 
 
@@ -85,8 +87,32 @@ def lower(
     target = output(backend)
     path = out_dir / target.file
     with atomic_path(path) as temporary:
-        aoti_compile_and_package(program, package_path=str(temporary))
+        aoti_compile_and_package(
+            program, package_path=str(temporary), inductor_configs=_inductor_configs()
+        )
     return Artifact.at(path, target, partition=None)
+
+
+def _inductor_configs() -> dict[str, object]:
+    """The weights go into the package as one pickled tensor per weight (data/weights/), not
+    into the .so. By default Inductor copies every weight into one bytearray to build the .so's
+    data section, and patches it into the object file with a slice of that bytearray (another
+    copy): the lowering peaked at about three times the weights. And the loader, on the CPU,
+    copies the data section (which the .so's mapping keeps resident) into a buffer of its own:
+    two times at validation. Pickled weights are written one at a time from the program's own
+    tensors, and loaded once, used in place (runtimes/aoti.py). Both options are experimental
+    in torch; where this torch lacks them, the defaults stand."""
+    from torch._inductor import config
+
+    options: dict[str, object] = {}
+    if hasattr(config.aot_inductor, "package_constants_in_so") and hasattr(
+        config.aot_inductor, "package_constants_on_disk_format"
+    ):
+        options = {
+            "aot_inductor.package_constants_in_so": False,
+            "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+        }
+    return options
 
 
 def _compiler() -> str:
