@@ -138,10 +138,12 @@ def test_blocks_under_min_block_size_are_not_delegated(
     result = exporter_cli("model=mlp", "fallback.min_block_size=9")
     assert result.exit_code == 0, result.output
     report = partition(result.run_dir)
-    assert (report["delegates"], report["fallback_op_count"]) == (0, 8)
+    # Three linears, kept whole for ExecuTorch's linear kernel when not delegated, two relus.
+    assert (report["delegates"], report["fallback_op_count"]) == (0, 5)
+    assert {n["op"] for n in report["nodes"]} == {"aten.linear.default", "aten.relu.default"}
     assert {n["reason"] for n in report["nodes"]} == {"block too small"}
     (detail,) = {n["detail"] for n in report["nodes"]}
-    assert detail == "its block had 8 compute node(s), under fallback.min_block_size=9"
+    assert detail == "its block had 5 compute node(s), under fallback.min_block_size=9"
 
 
 def test_contradicting_fallback_settings_exit_2_before_any_work(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -34,6 +35,7 @@ def scaled_copy(artifact: Path, weight: torch.Tensor, factor: float, out: Path) 
     return out
 
 
+@pytest.mark.slow
 def test_a_float32_llama_with_one_layer_scaled_by_1_01_fails_the_reference_rule(
     exporter_cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:
