@@ -9,12 +9,14 @@ kernels: the .pte keeps the program only."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.backend.utils import WhyNoPartition, is_same_node
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 from executorch.exir.passes.external_constants_pass import is_param_node
@@ -39,6 +41,19 @@ def lowered_to_pte(
     """Lowers with `partitioner` (its `listening()` context open) and writes the .pte, and with
     `target.data_file` the weights into that file beside it; the partition report places every
     node, with `why_on_cpu` for the nodes left out."""
+    try:
+        return _lowered_to_pte(exported, partitioner, why_on_cpu, target, out_dir)
+    finally:
+        forget_lowered_graphs()
+
+
+def _lowered_to_pte(
+    exported: Exported,
+    partitioner: Any,
+    why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
+    target: Output,
+    out_dir: Path,
+) -> Artifact:
     data_file = target.data_file
     # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
     tag = Path(data_file).stem if data_file else None
@@ -63,6 +78,21 @@ def lowered_to_pte(
         program.write_tensor_data_to_file(str(out_dir))
         _log_sizes(path, out_dir / data_file)
     return Artifact.at(path, target, partition)
+
+
+def forget_lowered_graphs() -> None:
+    """Drops what ExecuTorch keeps of a lowering in its module-level state, which would hold the
+    lowered graphs, and through their nodes' TensorSpecs a copy of every weight, for the rest of
+    the process: `is_same_node`'s unbounded lru_cache (whose keys are the graphs' nodes) and the
+    XNNPACK partitioner configs' module-level WhyNoPartition objects (each keeps the last node it
+    refused)."""
+    is_same_node.cache_clear()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("executorch."):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, WhyNoPartition):
+                value.node = None
 
 
 class TagDelegateConstants(ExportedProgramPassBase):
