@@ -288,12 +288,15 @@ class ValidationRule(Enum):
 
 # The reference rule's factor per model dtype when `validate.factor` is not set. In float32 the
 # error is a few ulps, and an artifact that sums in another order (XNNPACK's blocking, against
-# eager's) was measured at up to 2.6 times eager's; any real mistake is thousands of times it.
+# eager's) was measured at up to 3.7 times eager's (a tiny Gemma); any real mistake is hundreds
+# to thousands of times it. The floor (validate.floor, relative to the output's scale) passes
+# float32 errors too small to matter that a factor would not: XNNPACK's tanh, scaled by Gemma2's
+# logit soft-capping, is 13 times eager's error at 4.5e-6 of the output's RMS.
 # In bfloat16 and float16 the error is the rounding of every stored value, which artifacts
 # share: correct ones measured 0.86 to 1.24 times eager's, and a 1% error in the weights of
 # one layer, about two bfloat16 roundings, makes it about twice: a factor below 2 catches it.
 DEFAULT_FACTORS = {
-    ModelDtype.float32: 3.0,
+    ModelDtype.float32: 5.0,
     ModelDtype.bfloat16: 1.5,
     ModelDtype.float16: 1.5,
 }
@@ -303,11 +306,12 @@ DEFAULT_FACTORS = {
 class ValidateConfig:
     """`atol`/`rtol` are the absolute rule's (default: the backend's); `factor` and `floor` the
     reference rule's: an output passes when its RMS error and its max abs error are each at
-    most `factor` times eager's plus `floor` times the RMS of the float64 output."""
+    most `factor` times eager's plus `floor` times the float64 output's RMS (for the RMS error)
+    or its largest magnitude (for the max abs error)."""
 
     rule: ValidationRule = ValidationRule.reference
     factor: float | None = None
-    floor: float = 1.0e-6
+    floor: float = 1.0e-5
     atol: float | None = None
     rtol: float | None = None
     extra_shapes: list[int] = field(default_factory=list)

@@ -88,7 +88,7 @@ def test_values_outside_their_range_are_config_errors(override: str, message: st
 
 def test_the_reference_rule_is_the_default_with_a_factor_per_dtype() -> None:
     job = config.to_job(composed())
-    assert (job.validate.rule.value, job.factor, job.validate.floor) == ("reference", 3.0, 1e-6)
+    assert (job.validate.rule.value, job.factor, job.validate.floor) == ("reference", 5.0, 1e-5)
     half = config.to_job(composed("model.dtype=bfloat16"))
     assert half.factor == 1.5
     assert config.to_job(composed("model.dtype=bfloat16", "validate.factor=4")).factor == 4
