@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exporter.validate.compare import OutputStats, ReferenceError, Tolerances, compare
+from exporter.validate.compare import EagerError, OutputStats, Tolerances, compare
 from exporter.validate.report import Execution, Report
 
 
@@ -153,7 +153,7 @@ def test_the_reference_rule_scales_with_eagers_error_and_names_the_factor_that_w
     noise = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     eager = golden + 1e-3 * noise
     reference = compare("y", eager, golden, torch.float64, 0.0, 0.0)
-    eager_error = ReferenceError(reference.max_abs, reference.nrmse)
+    eager_error = EagerError(reference.max_abs, reference.nrmse)
     # As precise as eager, with other roundings: passes where atol=1e-4 would fail it.
     other = golden + 1e-3 * noise.flip(0)
     passed = compare("y", other, golden, torch.float64, 1e-4, 0.0, eager_error, 1.5, 1e-6)
@@ -170,7 +170,7 @@ def test_the_reference_rule_fails_one_wild_element_and_nan_but_its_floor_passes_
     None
 ):
     golden = torch.linspace(1, 2, 1000, dtype=torch.float64)
-    eager_error = ReferenceError(max_abs=1e-3, nrmse=5e-4)
+    eager_error = EagerError(max_abs=1e-3, nrmse=5e-4)
     wild = golden.clone()
     wild[7] += 0.01
     stats = compare("y", wild, golden, torch.float64, 0.0, 0.0, eager_error, 1.5, 0.0)
@@ -178,7 +178,7 @@ def test_the_reference_rule_fails_one_wild_element_and_nan_but_its_floor_passes_
     nan = golden.clone()
     nan[3] = math.nan
     assert not compare("y", nan, golden, torch.float64, 0.0, 0.0, eager_error, 1.5, 0.0).passed
-    exact = ReferenceError(0.0, 0.0)
+    exact = EagerError(0.0, 0.0)
     tiny = golden + 1e-9
     assert compare("y", tiny, golden, torch.float64, 0.0, 0.0, exact, 1.5, 1e-6).passed
     assert not compare("y", tiny, golden, torch.float64, 0.0, 0.0, exact, 1.5, 0.0).passed
@@ -186,7 +186,7 @@ def test_the_reference_rule_fails_one_wild_element_and_nan_but_its_floor_passes_
 
 def test_the_reference_rules_failure_message_gives_both_errors_and_the_factor() -> None:
     golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    eager_error = ReferenceError(max_abs=0.1, nrmse=0.05)
+    eager_error = EagerError(max_abs=0.1, nrmse=0.05)
     off = compare("y", torch.tensor([1.0, 2.5]), golden, torch.float32, 0.0, 0.0, eager_error, 2.0)
     tolerances = Tolerances("reference", atol=0.0, rtol=0.0, factor=2.0, floor=0.0)
     shape = {"seq": 4}

@@ -9,7 +9,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ReferenceError:
+class EagerError:
     """The error of eager PyTorch at the model's dtype against the float64 oracle, for one
     output at one shape: what the model's own precision costs."""
 
@@ -80,7 +80,7 @@ def compare(
     expected_dtype: torch.dtype,
     atol: float,
     rtol: float,
-    reference: ReferenceError | None = None,
+    reference: EagerError | None = None,
     factor: float | None = None,
     floor: float = 0.0,
 ) -> OutputStats:
@@ -171,10 +171,10 @@ def compare(
     )
 
 
-def reference_error(actual: torch.Tensor, golden: torch.Tensor) -> ReferenceError:
+def reference_error(actual: torch.Tensor, golden: torch.Tensor) -> EagerError:
     """Eager's error at the model's dtype, measured as the reference rule reads it."""
     stats = compare("reference", actual, golden, actual.dtype, atol=0.0, rtol=0.0)
-    return ReferenceError(stats.max_abs, stats.nrmse)
+    return EagerError(stats.max_abs, stats.nrmse)
 
 
 def _ratio(error: float, reference: float) -> float:

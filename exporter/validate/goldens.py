@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
-from exporter.validate.compare import ReferenceError, reference_error
+from exporter.validate.compare import EagerError, reference_error
 from exporter.validate.oracle import float64_weights
 from exporter.validate.plan import LiveShape, label
 
@@ -36,7 +36,7 @@ class Goldens:
     # oracle cannot say it, and a runtime that returns another dtype is wrong however close.
     output_dtypes: tuple[torch.dtype, ...]
     # Live shape label -> per output, eager's error at the model's dtype against the oracle.
-    reference: dict[str, list[ReferenceError]]
+    reference: dict[str, list[EagerError]]
     # Where eager ran for `reference`: the device kind of the artifact's target (cpu, cuda).
     reference_device: str
 
@@ -91,7 +91,7 @@ def _reference(
     module: torch.nn.Module,
     cases: dict[str, tuple[Inputs, list[torch.Tensor]]],
     device: str,
-) -> tuple[dict[str, list[ReferenceError]], tuple[torch.dtype, ...]]:
+) -> tuple[dict[str, list[EagerError]], tuple[torch.dtype, ...]]:
     """Eager at the model's dtype on `device`, judged against the oracle; the module returns to
     the CPU after, where export reads it."""
     on_device = module.to(device)
@@ -133,7 +133,6 @@ def save(goldens: Goldens, folder: Path) -> None:
 def load(folder: Path) -> Goldens:
     state = torch.load(folder / GOLDENS_FILE, weights_only=True)
     state["reference"] = {
-        key: [ReferenceError(**error) for error in errors]
-        for key, errors in state["reference"].items()
+        key: [EagerError(**error) for error in errors] for key, errors in state["reference"].items()
     }
     return Goldens(**state)
