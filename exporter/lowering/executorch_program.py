@@ -42,42 +42,32 @@ def lowered_to_pte(
     `target.data_file` the weights into that file beside it; the partition report places every
     node, with `why_on_cpu` for the nodes left out."""
     try:
-        return _lowered_to_pte(exported, partitioner, why_on_cpu, target, out_dir)
+        data_file = target.data_file
+        # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
+        tag = Path(data_file).stem if data_file else None
+        with partitioner.listening():
+            edge = to_edge_transform_and_lower(
+                exported.program,
+                transform_passes=[TagDelegateConstants(tag)] if tag else None,
+                partitioner=[partitioner],
+            )
+        partition = summarize(edge.exported_program().graph_module, why_on_cpu)
+        log.info("[lower] %s", partition.describe())
+        # The constants no delegate took are tagged here, as they are emitted.
+        program = edge.to_executorch(
+            ExecutorchBackendConfig(external_constants=(lambda _node: tag) if tag else False)
+        )
+        path = out_dir / target.file
+        with atomic_path(path) as temporary, temporary.open("wb") as file:
+            program.write_to_file(file)
+        if data_file:
+            # Written straight into `out_dir`, a folder of this job's own (the cache's staging
+            # folder or the run dir's partial one) that a failed job never publishes.
+            program.write_tensor_data_to_file(str(out_dir))
+            _log_sizes(path, out_dir / data_file)
+        return Artifact.at(path, target, partition)
     finally:
         forget_lowered_graphs()
-
-
-def _lowered_to_pte(
-    exported: Exported,
-    partitioner: Any,
-    why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
-    target: Output,
-    out_dir: Path,
-) -> Artifact:
-    data_file = target.data_file
-    # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
-    tag = Path(data_file).stem if data_file else None
-    with partitioner.listening():
-        edge = to_edge_transform_and_lower(
-            exported.program,
-            transform_passes=[TagDelegateConstants(tag)] if tag else None,
-            partitioner=[partitioner],
-        )
-    partition = summarize(edge.exported_program().graph_module, why_on_cpu)
-    log.info("[lower] %s", partition.describe())
-    # The constants no delegate took are tagged here, as they are emitted.
-    program = edge.to_executorch(
-        ExecutorchBackendConfig(external_constants=(lambda _node: tag) if tag else False)
-    )
-    path = out_dir / target.file
-    with atomic_path(path) as temporary, temporary.open("wb") as file:
-        program.write_to_file(file)
-    if data_file:
-        # Written straight into `out_dir`, a folder of this job's own (the cache's staging
-        # folder or the run dir's partial one) that a failed job never publishes.
-        program.write_tensor_data_to_file(str(out_dir))
-        _log_sizes(path, out_dir / data_file)
-    return Artifact.at(path, target, partition)
 
 
 def forget_lowered_graphs() -> None:
