@@ -15,12 +15,13 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
 from exporter import models
-from exporter.config import DimBounds, HfConfig, LlamaConfig, ModelDtype
+from exporter.config import DimBounds, HfConfig, ModelDtype
 from exporter.errors import ConfigError
 from exporter.models import DynamicDim
 from exporter.validate.plan import plan
 from tests.conftest import CliResult
 from tests.test_cli import assert_user_error, planned
+from tests.test_models import small_llama
 
 SEQ = {"seq": DimBounds(min=1, max=128)}
 
@@ -165,17 +166,7 @@ def test_seq_is_bounded_by_the_checkpoints_max_positions(checkpoints) -> None:
 
 def test_model_llama_points_other_checkpoints_to_model_hf(checkpoints) -> None:
     directory = checkpoints("qwen2")
-    llama = LlamaConfig(
-        name="llama",
-        checkpoint=str(directory),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    llama = small_llama(checkpoint=str(directory))
     with pytest.raises(ConfigError, match=rf"'qwen2'.*model=hf model\.checkpoint={directory}"):
         models.build(llama, SEQ)
 
