@@ -320,6 +320,33 @@ class ValidateConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    """Latency at every live shape, after validation and apart from it: the artifact and eager
+    PyTorch (the exported program at the model's dtype, on the same device) each run `warmup`
+    times untimed, then are timed until `repeats` runs or `seconds` have passed, whichever comes
+    first (at least one warm-up and one timed run). Both compute with `threads` CPU threads
+    (null: every core the job may use)."""
+
+    enabled: bool = MISSING
+    warmup: int = 5
+    repeats: int = 50
+    seconds: float = 1.0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for key, value, least in (("warmup", self.warmup, 0), ("repeats", self.repeats, 1)):
+            if value < least:
+                raise ConfigError(f"benchmark.{key} is {value}; it must be {least} or more.")
+        if self.seconds <= 0:
+            raise ConfigError(f"benchmark.seconds is {self.seconds}; it must be more than 0.")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(
+                f"benchmark.threads is {self.threads}; it must be 1 or more, or null for every "
+                "core the job may use."
+            )
+
+
+@dataclass
 class MlflowConfig:
     """`artifact_location`: where a new experiment keeps its files; empty lets the store decide
     (a tracking server's --artifacts-destination)."""
@@ -346,6 +373,7 @@ class JobConfig:
     backend: BackendConfig = MISSING
     fallback: FallbackConfig = MISSING
     validate: ValidateConfig = MISSING
+    benchmark: BenchmarkConfig = MISSING
     mlflow: MlflowConfig = MISSING
     # A pre-built artifact to validate instead of exporting and lowering the model.
     artifact: str | None = None

@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 
 from exporter import backends
 from exporter.config import (
+    BenchmarkConfig,
     CustomModelConfig,
     EncoderConfig,
     FallbackConfig,
@@ -42,4 +43,5 @@ def register_schemas() -> None:
         store.store(group="schema/backend", name=name, node=schema)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)
+    store.store(group="schema/benchmark", name="benchmark", node=BenchmarkConfig)
     store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)

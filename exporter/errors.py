@@ -73,5 +73,6 @@ STAGE_ERRORS: dict[str, type[ExporterError]] = {
     "lower": LoweringFailed,
     "goldens": GoldensFailed,
     "validate": RuntimeFailed,
+    "benchmark": RuntimeFailed,
     "track": TrackingFailed,
 }

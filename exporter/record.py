@@ -25,6 +25,7 @@ from exporter.files import write_bytes
 
 if TYPE_CHECKING:
     from exporter.backends import Artifact
+    from exporter.benchmark import Benchmark
     from exporter.export import Diagnosis
     from exporter.tracking import Store
     from exporter.validate import Report
@@ -76,6 +77,7 @@ class JobRecord:
     diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
     report: Report | None = None
+    benchmark: Benchmark | None = None
     # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
     # the cache.
     cache_keys: dict[str, str] = field(default_factory=dict)

@@ -1,5 +1,5 @@
 """The stages of a job after its config is checked: model -> export -> goldens -> lower ->
-validate, each taking what the ones before returned. They load torch; the job's frame
+validate -> benchmark, each taking what the ones before returned. They load torch; the job's frame
 (exporter/pipeline.py) imports them once the config stage has passed, so a configuration error
 is answered without loading it.
 
@@ -14,11 +14,11 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from exporter import backends, cache_keys, config, export, memory, models, validate
+from exporter import backends, benchmark, cache_keys, config, export, memory, models, validate
 from exporter.backends import Artifact
 from exporter.cache import Cache, key_of, link_files
 from exporter.errors import RuntimeFailed, ValidationFailed
@@ -26,7 +26,7 @@ from exporter.export import Exported
 from exporter.files import write_json
 from exporter.record import JobRecord, Notify, stage
 from exporter.validate import goldens
-from exporter.validate.plan import LiveShape, plan
+from exporter.validate.plan import LiveShape, label, plan
 from exporter.validate.reference import reference_device
 from runtimes import Loaded
 from runtimes import load as load_runtime
@@ -94,6 +94,31 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     if not report.passed:
         raise ValidationFailed(report.failure_message())
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
+    if not job.benchmark.enabled:
+        return
+    with stage(record, "benchmark", notify):
+        record.benchmark = benchmark.run(
+            shapes,
+            lambda shape: expected.cases[label(shape)][0],
+            benchmark.Subject(artifact.runtime, artifact.device, load),
+            _eager(run_dir, job, report.target),
+            job.benchmark,
+        )
+    write_json(run_dir / REPORT_FILE, {**report.to_json(), "benchmark": record.benchmark.to_json()})
+    log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
+
+
+def _eager(
+    run_dir: Path, job: config.JobConfig, target: Mapping[str, str]
+) -> benchmark.Subject | None:
+    """Eager PyTorch to time beside the artifact: the job's exported program, on the device
+    that matches the artifact's; None where the job validated a given artifact and exported
+    nothing."""
+    program = run_dir / export.PROGRAM_FILE
+    if not program.exists():
+        return None
+    device = benchmark.eager_device(job.backend.device, target)
+    return benchmark.Subject("eager", device, lambda: load_runtime(program, "eager", device))
 
 
 @contextlib.contextmanager

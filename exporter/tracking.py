@@ -213,6 +213,7 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
         "peak_rss_gb": _gb(summary.job_peak_rss_bytes),
         "weight_gb": _gb(summary.weight_bytes),
         "peak_rss_over_weights": summary.peak_rss_over_weights,
+        "worst_speedup_vs_eager": summary.worst_speedup_vs_eager,
     }
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
@@ -236,7 +237,16 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
                 for metric, stat in per_shape.items()
                 if not math.isnan(result.stats[stat])
             ]
-            metrics.append(Metric("latency_ms", result.latency_ms, at, size))
+    if record.benchmark and record.report:
+        for timed, size in zip(record.benchmark.shapes, steps(record.report.shapes), strict=True):
+            per_shape = {
+                "latency_ms": timed.artifact.median_ms,
+                "latency_p10_ms": timed.artifact.p10_ms,
+                "latency_p90_ms": timed.artifact.p90_ms,
+                "eager_latency_ms": timed.eager.median_ms if timed.eager else None,
+                "speedup_vs_eager": timed.speedup_vs_eager,
+            }
+            metrics += [Metric(k, v, at, size) for k, v in per_shape.items() if v is not None]
     return metrics
 
 
@@ -267,6 +277,7 @@ def _tags(summary: JobSummary) -> dict[str, str]:
         tags["export.draft"] = "true"
     if summary.peak_rss_scope:
         tags["peak_rss_scope"] = summary.peak_rss_scope
+    tags.update({f"benchmark.{key}": value for key, value in summary.benchmark.items()})
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
     if summary.error:

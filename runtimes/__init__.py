@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -26,7 +27,13 @@ class Loaded(Protocol):
 
     Inputs and outputs are CPU tensors: a loader on another device copies them, and its `run`
     returns only once the device has finished. A runtime that picks its device itself (a wgpu
-    adapter) also says what it picked in `target`, a mapping of names to values."""
+    adapter) also says what it picked in `target`, a mapping of names to values.
+
+    A runtime may also offer `run`'s three steps apart, for a benchmark to time the computation
+    without the copies (exporter/benchmark/): `upload(inputs)` copies the inputs to the target,
+    `execute(resident)` computes, `download(produced)` copies the outputs back as CPU tensors;
+    `clock` names what times `execute`: "cpu" (it returns once done, a host clock times it) or
+    "cuda" (it returns once the kernels are queued; CUDA events time it)."""
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
@@ -37,6 +44,23 @@ def names() -> list[str]:
 
 
 def load(path: Path, runtime: str, device: str = "cpu") -> Loaded:
+    return _module(runtime).load(path, device)
+
+
+def set_threads(runtime: str, count: int) -> None:
+    """Sets the CPU threads the runtime's kernels use: its own `set_threads` where it has a
+    thread pool of its own, else torch's intra-op threads, which every other runtime here
+    computes with on the CPU."""
+    module = _module(runtime)
+    if hasattr(module, "set_threads"):
+        module.set_threads(count)
+    else:
+        import torch
+
+        torch.set_num_threads(count)
+
+
+def _module(runtime: str) -> ModuleType:
     if runtime not in names():
         raise ValueError(f"no runtime {runtime!r}; known: {', '.join(names())}")
-    return importlib.import_module(f"{__name__}.{runtime}").load(path, device)
+    return importlib.import_module(f"{__name__}.{runtime}")

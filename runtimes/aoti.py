@@ -6,13 +6,12 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch._inductor import aoti_load_package
 
-from runtimes import on_device
+from runtimes.on_device import OnDevice
 
 # Where the compiler records the package's device in its metadata.
 _DEVICE_KEY = "AOTI_DEVICE_KEY"
@@ -22,17 +21,15 @@ def load(path: Path, device: str) -> AotiPackage:
     return AotiPackage(path, device)
 
 
-class AotiPackage:
+class AotiPackage(OnDevice):
     def __init__(self, path: Path, device: str = "cpu") -> None:
         _share_libstdcxx()
-        self._device = torch.device(device)
-        self._model = _load(path)
-        compiled_for = self._model.get_metadata().get(_DEVICE_KEY, self._device.type)
-        if compiled_for != self._device.type:
+        on = torch.device(device)
+        model = _load(path)
+        compiled_for = model.get_metadata().get(_DEVICE_KEY, on.type)
+        if compiled_for != on.type:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
-
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return on_device.call(self._model, inputs, self._device)
+        super().__init__(model, on)
 
 
 def _load(path: Path) -> object:

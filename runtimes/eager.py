@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch.export.passes import move_to_device_pass
 
-from runtimes import on_device
+from runtimes.on_device import OnDevice
 
 
 def load(path: Path, device: str) -> ExportedProgramModule:
     return ExportedProgramModule(path, device)
 
 
-class ExportedProgramModule:
+class ExportedProgramModule(OnDevice):
     def __init__(self, path: Path, device: str = "cpu") -> None:
-        self._device = torch.device(device)
+        on = torch.device(device)
         program = torch.export.load(path)
-        if self._device.type != "cpu":
-            program = move_to_device_pass(program, self._device)
-        self._module = program.module()
-
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return on_device.call(self._module, inputs, self._device)
+        if on.type != "cpu":
+            program = move_to_device_pass(program, on)
+        super().__init__(program.module(), on)

@@ -47,10 +47,30 @@ class ExecutorchProgram:
         # The program owns the method's memory; it must live as long as the method.
         self._program = program
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        outputs = self._method.execute(list(inputs))
+    # The CPU is the target: inputs are where they run, and `execute` returns when it is done.
+    clock = "cpu"
+
+    def upload(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(inputs)
+
+    def execute(self, resident: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        return self._method.execute(resident)
+
+    def download(self, produced: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         # Outputs may alias the method's planned memory, which the next execute overwrites.
-        return tuple(output.clone() for output in outputs)
+        return tuple(output.clone() for output in produced)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return self.download(self.execute(self.upload(inputs)))
+
+
+def set_threads(count: int) -> None:
+    """The threads of ExecuTorch's own pool, which XNNPACK and the optimized kernels share, and
+    of torch's, which runs nothing of the program but sizes the inputs' and outputs' copies."""
+    from executorch.extension.pybindings import portable_lib
+
+    portable_lib._unsafe_reset_threadpool(count)
+    torch.set_num_threads(count)
 
 
 # Read by field index from executorch's exir/_serialize/program.fbs (file identifier "ET12")

@@ -1,4 +1,5 @@
-"""Calling a PyTorch-run artifact on its device with CPU tensors in and out, as `Loaded` says."""
+"""Running a PyTorch-run artifact on its device with CPU tensors in and out, as `Loaded` says,
+in the three steps a benchmark times apart: copy in, compute, copy out."""
 
 from __future__ import annotations
 
@@ -9,10 +10,33 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def call(
-    artifact: Callable[..., Any], inputs: Sequence[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    with torch.no_grad():
-        outputs = artifact(*(x.to(device) for x in inputs))
-    # .cpu() waits for the device, so a caller's timing covers the whole computation.
-    return tuple(output.cpu() for output in pytree.tree_leaves(outputs))
+class OnDevice:
+    """A callable artifact on a torch device. On CUDA, `execute` returns once the kernels are
+    queued (its `clock` says so, and a benchmark times it with CUDA events); `upload` and
+    `download` return once their copies are done."""
+
+    def __init__(self, artifact: Callable[..., Any], device: torch.device) -> None:
+        self._artifact = artifact
+        self._device = device
+        self.clock = "cuda" if device.type == "cuda" else "cpu"
+
+    def upload(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        resident = [x.to(self._device) for x in inputs]
+        _synchronize(self._device)
+        return resident
+
+    def execute(self, resident: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return pytree.tree_leaves(self._artifact(*resident))
+
+    def download(self, produced: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        # .cpu() waits for the device, so `run` returns only once the computation is done.
+        return tuple(output.cpu() for output in produced)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return self.download(self.execute(self.upload(inputs)))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from runtimes import on_device
 from runtimes.aoti import AotiPackage
+from runtimes.on_device import OnDevice
 
 
 def load(path: Path, device: str) -> TensorrtProgram | TensorrtExecutorchProgram | AotiPackage:
@@ -30,17 +30,13 @@ def load(path: Path, device: str) -> TensorrtProgram | TensorrtExecutorchProgram
     return loaders[path.suffix](path, device)
 
 
-class TensorrtProgram:
+class TensorrtProgram(OnDevice):
     """A torch.export program whose TensorRT-compiled parts call engines (model.ep)."""
 
     def __init__(self, path: Path, device: str = "cuda") -> None:
         import torch_tensorrt
 
-        self._device = torch.device(device)
-        self._module = torch_tensorrt.load(str(path)).module()
-
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return on_device.call(self._module, inputs, self._device)
+        super().__init__(torch_tensorrt.load(str(path)).module(), torch.device(device))
 
 
 class TensorrtExecutorchProgram:

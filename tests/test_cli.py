@@ -67,8 +67,11 @@ def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: Cl
         assert key in run.data.metrics
     sizes = planned(mlp_job, "batch")
     assert sizes == [1, 2, 33, 50, 54, 63, 64]
-    for key in ("max_abs_err", "max_rel_err", "nrmse", "latency_ms"):
+    per_shape = ("max_abs_err", "max_rel_err", "nrmse", "latency_ms", "latency_p90_ms")
+    for key in (*per_shape, "eager_latency_ms", "speedup_vs_eager"):
         assert metric_steps(mlp_job, run.info.run_id, key) == sizes
+    assert run.data.tags["benchmark.clock"] == "cpu"
+    assert run.data.tags["benchmark.eager_device"] == "cpu"
     artifacts = {a.path for a in MlflowClient(mlp_job.tracking_uri).list_artifacts(run.info.run_id)}
     assert {"model.pte", "program.pt2", "config.yaml", ".hydra", "report.json"} <= artifacts
 
@@ -78,7 +81,7 @@ def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: Cl
     # One entry per stage that ran, in the order they ran, whatever that order is.
     stages = list(summary["seconds"])
     assert list(summary["peak_rss_bytes"]) == stages
-    assert set(stages) == {"config", "model", "export", "lower", "goldens", "validate"}
+    assert set(stages) == {"config", "model", "export", "lower", "goldens", "validate", "benchmark"}
     # The MLP's three float32 layers, 32 -> 64 -> 64 -> 16; the process holds torch besides.
     weights = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16) * 4
     assert summary["weight_bytes"] == weights
@@ -93,6 +96,27 @@ def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: Cl
     for stage in stages:
         assert metrics[f"{stage}_peak_rss_gb"] == summary["peak_rss_bytes"][stage] / 1e9
     assert "[validate] done in" in mlp_job.output and "peak RSS" in mlp_job.output
+
+
+def test_mlp_job_times_every_live_shape_beside_eager(mlp_job: CliResult) -> None:
+    report = json.loads((mlp_job.run_dir / "report.json").read_text())
+    timed = report["benchmark"]
+    assert timed["threads"] >= 1 and timed["eager_device"] == "cpu"
+    assert [s["shape"] for s in timed["shapes"]] == [s["shape"] for s in report["shapes"]]
+    for shape in timed["shapes"]:
+        for timing in (shape, shape["eager"]):
+            assert 0 < timing["min_ms"] <= timing["p10_ms"] <= timing["median_ms"]
+            assert timing["median_ms"] <= timing["p90_ms"]
+            # Up to benchmark.repeats (50) timed runs, fewer once a second has passed.
+            assert 1 <= timing["runs"] <= 50
+        assert shape["speedup_vs_eager"] == pytest.approx(
+            shape["eager"]["median_ms"] / shape["median_ms"]
+        )
+    speedups = [shape["speedup_vs_eager"] for shape in timed["shapes"]]
+    assert timed["worst_speedup_vs_eager"] == min(speedups)
+    (run,) = mlp_job.mlflow_runs()
+    assert run.data.metrics["worst_speedup_vs_eager"] == pytest.approx(min(speedups))
+    assert "speedup_vs_eager" in mlp_job.output and "[benchmark] done in" in mlp_job.output
 
 
 def test_llama_on_executorch_matches_eager_at_every_planned_size(

@@ -32,6 +32,11 @@ def passed(name: str, backend: str) -> JobSummary:
         sizes=[1, 2, 64],
         max_abs_err=[3e-8, 4e-8, 8.5e-8],
         latency_ms=[0.05, 0.05, 0.07],
+        latency_p10_ms=[0.04, 0.05, 0.06],
+        latency_p90_ms=[0.06, 0.07, 0.09],
+        eager_latency_ms=[0.1, 0.1, 0.07],
+        speedup_vs_eager=[2.0, 2.0, 1.0],
+        worst_speedup_vs_eager=1.0,
     )
 
 
@@ -76,6 +81,7 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
         "comparison.html",
         "max_abs_err_vs_size.png",
         "latency_vs_size.png",
+        "speedup_vs_eager_vs_size.png",
     ]
     with (tmp_path / "comparison.csv").open() as file:
         rows = list(csv.DictReader(file))
@@ -85,3 +91,5 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
     ]
     assert rows[1]["error"] == "fallback=strict: 2 compute nodes would run outside"
     assert float(rows[0]["worst_max_abs_err"]) == 8.5e-8
+    assert float(rows[0]["worst_speedup_vs_eager"]) == 1.0
+    assert rows[1]["worst_speedup_vs_eager"] == ""

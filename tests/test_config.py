@@ -75,6 +75,10 @@ def test_tolerances_come_from_the_backend_unless_validate_overrides_them() -> No
         ("artifact=/no/such.pte", "artifact=/no/such.pte: no such file"),
         ("validate.factor=0.5", "validate.factor is 0.5; it must be 1 or more"),
         ("validate.floor=-1", "validate.floor is -1.0; it must be 0 or more"),
+        ("benchmark.repeats=0", "benchmark.repeats is 0; it must be 1 or more"),
+        ("benchmark.warmup=-1", "benchmark.warmup is -1; it must be 0 or more"),
+        ("benchmark.seconds=0", "benchmark.seconds is 0.0; it must be more than 0"),
+        ("benchmark.threads=0", "benchmark.threads is 0; it must be 1 or more, or null"),
         (
             "model.dtype=float16 backend=webgpu",
             "model.dtype=float16: backend=webgpu computes in float32 only",

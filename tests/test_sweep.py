@@ -78,6 +78,7 @@ def test_the_comparison_table_marks_the_failed_rows(failing_sweep: SweepResult) 
     passed = rows[2]
     assert 0 < float(passed["worst_max_abs_err"]) < 1e-6
     assert float(passed["latency_at_min_ms"]) > 0 and float(passed["latency_at_max_ms"]) > 0
+    assert float(passed["worst_speedup_vs_eager"]) > 0
     assert float(passed["delegated_fraction"]) == 1.0
     assert (
         int(passed["artifact_bytes"])
@@ -88,21 +89,30 @@ def test_the_comparison_table_marks_the_failed_rows(failing_sweep: SweepResult) 
     page = (failing_sweep.sweep_dir / "comparison.html").read_text()
     assert page.count('<tr class="failed">') == 2
     assert page.count('<tr class="passed">') == 2
-    assert page.count("data:image/png;base64,") == 2
+    # Error, latency and speedup against size.
+    assert page.count("data:image/png;base64,") == 3
+    assert "worst_speedup_vs_eager" in page
 
 
 def test_the_plots_and_report_are_on_the_parent_run(failing_sweep: SweepResult) -> None:
-    for plot in ("max_abs_err_vs_size.png", "latency_vs_size.png"):
+    plots = ("max_abs_err_vs_size.png", "latency_vs_size.png", "speedup_vs_eager_vs_size.png")
+    for plot in plots:
         assert (failing_sweep.sweep_dir / plot).read_bytes().startswith(PNG_MAGIC)
-    parent, _ = failing_sweep.parent_and_children()
+    parent, children = failing_sweep.parent_and_children()
     client = MlflowClient(failing_sweep.tracking_uri)
     logged = {artifact.path for artifact in client.list_artifacts(parent.info.run_id)}
     assert logged >= {
         "comparison.csv",
         "comparison.html",
-        "max_abs_err_vs_size.png",
-        "latency_vs_size.png",
+        *plots,
     }
+    # Each job that passed has its speedup over eager at every live size, as steps.
+    passed = [run for run in children if run.data.tags["status"] == "passed"]
+    assert len(passed) == 2
+    for run in passed:
+        history = client.get_metric_history(run.info.run_id, "speedup_vs_eager")
+        assert sorted(m.step for m in history) == [1, 2, 33, 50, 54, 63, 64]
+        assert all(m.value > 0 for m in history)
 
 
 # About 85 s each: parallel jobs on 2 cores, each exporting and lowering.

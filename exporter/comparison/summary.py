@@ -37,8 +37,13 @@ class JobSummary:
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
+    # The benchmark's median latency at the smallest and largest live shape, and the smallest
+    # of eager's median over the artifact's (below 1: slower than eager somewhere).
     latency_at_min_ms: float | None = None
     latency_at_max_ms: float | None = None
+    worst_speedup_vs_eager: float | None = None
+    # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
+    benchmark: dict[str, str] = field(default_factory=dict)
     artifact_bytes: int | None = None
     delegated_fraction: float | None = None
     fallback_op_count: int | None = None
@@ -61,11 +66,17 @@ class JobSummary:
     # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
     target: dict[str, str] = field(default_factory=dict)
     # Per live shape, smallest first: its step (the size of the one dynamic dim `dim`, or with
-    # several dims, `dim` "shape #", its position in the plan), the worst error and latency.
+    # several dims, `dim` "shape #", its position in the plan), the worst error, and where the
+    # benchmark ran, the median latency with its 10th and 90th percentiles, eager's median and
+    # the speedup over it (None where eager did not run).
     dim: str | None = None
     sizes: list[int] = field(default_factory=list)
     max_abs_err: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
+    latency_p10_ms: list[float] = field(default_factory=list)
+    latency_p90_ms: list[float] = field(default_factory=list)
+    eager_latency_ms: list[float | None] = field(default_factory=list)
+    speedup_vs_eager: list[float | None] = field(default_factory=list)
 
     @classmethod
     def of(cls, record: JobRecord, choices: dict[str, str]) -> JobSummary:
@@ -104,13 +115,27 @@ class JobSummary:
             summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")
             summary.worst_nrmse = record.report.worst("nrmse")
-            summary.latency_at_min_ms = results[0].latency_ms
-            summary.latency_at_max_ms = results[-1].latency_ms
             shapes = [result.shape for result in results]
             summary.dim = next(iter(shapes[0])) if len(shapes[0]) == 1 else "shape #"
             summary.sizes = steps(shapes)
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
-            summary.latency_ms = [result.latency_ms for result in results]
+        if record.benchmark:
+            timed = record.benchmark.shapes
+            summary.latency_ms = [shape.artifact.median_ms for shape in timed]
+            summary.latency_p10_ms = [shape.artifact.p10_ms for shape in timed]
+            summary.latency_p90_ms = [shape.artifact.p90_ms for shape in timed]
+            summary.eager_latency_ms = [
+                shape.eager.median_ms if shape.eager else None for shape in timed
+            ]
+            summary.speedup_vs_eager = [shape.speedup_vs_eager for shape in timed]
+            summary.latency_at_min_ms = summary.latency_ms[0]
+            summary.latency_at_max_ms = summary.latency_ms[-1]
+            summary.worst_speedup_vs_eager = record.benchmark.worst_speedup_vs_eager()
+            summary.benchmark = {
+                "threads": str(record.benchmark.threads),
+                "clock": timed[0].artifact.clock,
+                "eager_device": record.benchmark.eager_device or "none",
+            }
         return summary
 
     @classmethod

@@ -24,15 +24,17 @@ COLUMNS = (
     "worst_nrmse",
     "latency_at_min_ms",
     "latency_at_max_ms",
+    "worst_speedup_vs_eager",
     "artifact_bytes",
     "delegated_fraction",
     "export_s",
     "lower_s",
     "validate_s",
+    "benchmark_s",
     "cache_hit",
     "error",
 )
-_STAGES = ("export", "lower", "validate")
+_STAGES = ("export", "lower", "validate", "benchmark")
 
 
 def distinguishing_groups(summaries: Sequence[JobSummary]) -> list[str]:

@@ -64,7 +64,7 @@ def run(
                 kind,
                 max(s.max_abs for s in execution.outputs),
                 max(s.ref_max_abs for s in execution.outputs),
-                execution.latency_ms,
+                execution.wall_ms,
                 "ok" if execution.passed else "FAIL",
             )
             bar.update()
@@ -89,7 +89,7 @@ def _execute(
         raise RuntimeFailed(
             f"the artifact failed at {label(shape)}: {type(error).__name__}: {error}"
         ) from error
-    latency_ms = (time.perf_counter() - start) * 1e3
+    wall_ms = (time.perf_counter() - start) * 1e3
     if len(outputs) != len(expected_outputs):
         raise RuntimeFailed(
             f"the artifact returned {len(outputs)} outputs at {label(shape)}; "
@@ -116,4 +116,4 @@ def _execute(
             strict=True,
         )
     )
-    return Execution(shape, kind, latency_ms, stats)
+    return Execution(shape, kind, wall_ms, stats)

@@ -1,0 +1,143 @@
+"""Timing one loaded artifact on one input: warm-up runs, then timed runs until a count or a
+time budget, the computation timed apart from the copies where the runtime offers its steps."""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtimes import Loaded
+
+# What times a runtime that offers only `run`: the host's clock around all of it.
+WHOLE_RUN = "host, copies included"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The timed runs of one artifact at one shape, in ms. `clock` says what timed them;
+    `upload_ms` and `download_ms` are the median copies to and from the target, timed apart
+    (None where `run` was timed whole)."""
+
+    clock: str
+    samples_ms: tuple[float, ...]
+    upload_ms: float | None
+    download_ms: float | None
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def p10_ms(self) -> float:
+        return _percentile(self.samples_ms, 0.10)
+
+    @property
+    def p90_ms(self) -> float:
+        return _percentile(self.samples_ms, 0.90)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "clock": self.clock,
+            "median_ms": self.median_ms,
+            "p10_ms": self.p10_ms,
+            "p90_ms": self.p90_ms,
+            "min_ms": self.min_ms,
+            "runs": len(self.samples_ms),
+            "upload_ms": self.upload_ms,
+            "download_ms": self.download_ms,
+        }
+
+
+def measure(
+    loaded: Loaded, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, seconds: float
+) -> Timing:
+    """Runs `loaded` on `inputs` `warmup` times untimed, then times it until `repeats` runs or
+    `seconds` (counted from the first warm-up) have passed; at least one run of each kind.
+    Python's garbage collector is off meanwhile: a collection would land in one sample."""
+    run_once = (
+        _timed_steps(loaded, inputs) if hasattr(loaded, "execute") else _timed_run(loaded, inputs)
+    )
+    deadline = time.perf_counter() + seconds
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(max(warmup, 1)):
+            run_once()
+            if time.perf_counter() > deadline:
+                break
+        samples = [run_once()]
+        while len(samples) < repeats and time.perf_counter() <= deadline:
+            samples.append(run_once())
+    finally:
+        if collecting:
+            gc.enable()
+    computed = tuple(sample.compute_ms for sample in samples)
+    if not hasattr(loaded, "execute"):
+        return Timing(WHOLE_RUN, computed, None, None)
+    return Timing(
+        loaded.clock,
+        computed,
+        statistics.median(sample.upload_ms for sample in samples),
+        statistics.median(sample.download_ms for sample in samples),
+    )
+
+
+@dataclass(frozen=True)
+class _Sample:
+    compute_ms: float
+    upload_ms: float = math.nan
+    download_ms: float = math.nan
+
+
+def _timed_steps(loaded: Loaded, inputs: Sequence[torch.Tensor]) -> Callable[[], _Sample]:
+    """One run in the runtime's three steps, each copy on the host's clock (they return once
+    done) and the computation on the runtime's: CUDA events, or the host's."""
+    cuda = loaded.clock == "cuda"
+
+    def run_once() -> _Sample:
+        start = time.perf_counter()
+        resident = loaded.upload(inputs)
+        uploaded = time.perf_counter()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            produced = loaded.execute(resident)
+            end.record()
+            end.synchronize()
+            compute_ms = begin.elapsed_time(end)
+        else:
+            produced = loaded.execute(resident)
+            compute_ms = (time.perf_counter() - uploaded) * 1e3
+        computed = time.perf_counter()
+        loaded.download(produced)
+        return _Sample(compute_ms, (uploaded - start) * 1e3, (time.perf_counter() - computed) * 1e3)
+
+    return run_once
+
+
+def _timed_run(loaded: Loaded, inputs: Sequence[torch.Tensor]) -> Callable[[], _Sample]:
+    def run_once() -> _Sample:
+        start = time.perf_counter()
+        loaded.run(inputs)
+        return _Sample((time.perf_counter() - start) * 1e3)
+
+    return run_once
+
+
+def _percentile(samples: Sequence[float], fraction: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    ordered = sorted(samples)
+    position = fraction * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)

@@ -1,0 +1,52 @@
+"""The benchmark's timing: counts, budgets and statistics, on a real exported program run by
+the eager runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporter.benchmark import eager_device, timing
+from runtimes import load
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("program") / "program.pt2"
+    module = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    torch.export.save(torch.export.export(module, (torch.randn(4, 32),)), path)
+    return path
+
+
+def test_a_run_is_timed_repeats_times_after_its_warm_up(program: Path) -> None:
+    loaded = load(program, "eager", "cpu")
+    timed = timing.measure(loaded, [torch.randn(4, 32)], warmup=2, repeats=7, seconds=60)
+    assert len(timed.samples_ms) == 7
+    assert timed.clock == "cpu"
+    assert 0 < timed.min_ms <= timed.p10_ms <= timed.median_ms <= timed.p90_ms
+    assert timed.upload_ms >= 0 and timed.download_ms >= 0
+
+
+def test_the_time_budget_stops_the_runs_after_at_least_one(program: Path) -> None:
+    loaded = load(program, "eager", "cpu")
+    timed = timing.measure(loaded, [torch.randn(4, 32)], warmup=100, repeats=100, seconds=1e-6)
+    assert len(timed.samples_ms) == 1
+    assert timed.median_ms == timed.p10_ms == timed.p90_ms == timed.min_ms
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    samples = tuple(float(x) for x in range(1, 12))
+    timed = timing.Timing("cpu", samples, None, None)
+    assert (timed.p10_ms, timed.median_ms, timed.p90_ms, timed.min_ms) == (2.0, 6.0, 10.0, 1.0)
+    assert timing.Timing("cpu", (1.0, 2.0), None, None).p90_ms == pytest.approx(1.9)
+
+
+def test_eager_runs_on_the_kind_of_device_the_artifact_ran_on() -> None:
+    assert eager_device("cpu", {}) == "cpu"
+    assert eager_device("cuda", {}) == "cuda"
+    # A wgpu adapter on the CPU (lavapipe), or on a GPU of a machine without CUDA.
+    assert eager_device("auto", {"adapter_type": "CPU"}) == "cpu"
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"
+    assert eager_device("gpu", {"adapter_type": "DiscreteGPU"}) == gpu
