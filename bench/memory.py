@@ -2,9 +2,10 @@
 
 Each config runs as one job through the command a user types (`python -m exporter CONFIG
 mlflow=off cache=off`), in a fresh process, so every stage does its work. The numbers come from
-the job's summary.json: per stage (model, export, goldens, lower, validate) its wall seconds and
-the peak resident set (RSS) of the job's worker process during it, then the job's peak, the
-weights' size (parameters and buffers, each storage once) and the job's peak over the weights.
+the job's summary.json: per stage (model, export, goldens, lower, validate, benchmark) its wall
+seconds and the peak resident set (RSS) of the job's worker process during it, then the job's
+peak, the weights' size (parameters and buffers, each storage once) and the job's peak over the
+weights.
 
     python bench/memory.py
     python bench/memory.py --config "model=llama_1b backend=executorch"
@@ -33,7 +34,7 @@ from tabulate import tabulate
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-STAGES = ("model", "export", "goldens", "lower", "validate")
+STAGES = ("model", "export", "goldens", "lower", "validate", "benchmark")
 GB = 1e9
 
 # A mid-size Llama (about 50 M parameters, 0.2 GB in float32): a job takes about a minute on a
