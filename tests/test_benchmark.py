@@ -20,10 +20,10 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_a_run_is_timed_repeats_times_after_its_warm_up(program: Path) -> None:
+def test_each_contender_is_timed_repeats_times_after_its_warm_up(program: Path) -> None:
     loaded = load(program, "eager", "cpu")
-    timed = timing.measure(loaded, [torch.randn(4, 32)], warmup=2, repeats=7, seconds=60)
-    assert len(timed.samples_ms) == 7
+    timed, beside = timing.measure([loaded] * 2, [torch.randn(4, 32)], 2, repeats=7, seconds=60)
+    assert len(timed.samples_ms) == len(beside.samples_ms) == 7
     assert timed.clock == "cpu"
     assert 0 < timed.min_ms <= timed.p10_ms <= timed.median_ms <= timed.p90_ms
     assert timed.upload_ms >= 0 and timed.download_ms >= 0
@@ -31,7 +31,7 @@ def test_a_run_is_timed_repeats_times_after_its_warm_up(program: Path) -> None:
 
 def test_the_time_budget_stops_the_runs_after_at_least_one(program: Path) -> None:
     loaded = load(program, "eager", "cpu")
-    timed = timing.measure(loaded, [torch.randn(4, 32)], warmup=100, repeats=100, seconds=1e-6)
+    (timed,) = timing.measure([loaded], [torch.randn(4, 32)], 100, repeats=100, seconds=1e-6)
     assert len(timed.samples_ms) == 1
     assert timed.median_ms == timed.p10_ms == timed.p90_ms == timed.min_ms
 

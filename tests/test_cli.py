@@ -157,6 +157,10 @@ def test_weights_perturbed_after_lowering_fail_validation(
 
     untouched = exporter_cli("model=mlp", f"artifact={mlp_job.run_dir / 'model.pte'}")
     assert untouched.exit_code == 0, untouched.output
+    # A given artifact comes without an exported program: timed, with no eager beside it.
+    timed = untouched.report()["benchmark"]
+    assert timed["eager_device"] is None and timed["worst_speedup_vs_eager"] is None
+    assert all(s["median_ms"] > 0 and s["eager"] is None for s in timed["shapes"])
 
     result = exporter_cli("model=mlp", f"artifact={perturbed}")
     assert_user_error(
@@ -194,12 +198,14 @@ def test_strict_fallback_fails_lowering_and_lists_the_ops_left_outside(
     assert run.data.tags["failed_stage"] == "lower"
 
 
-def test_eager_backend_validates_the_exported_program_without_mlflow_or_cache(
+def test_eager_backend_validates_the_exported_program_without_mlflow_cache_or_benchmark(
     exporter_cli: Callable[..., CliResult],
 ) -> None:
-    result = exporter_cli("model=mlp", "backend=eager", "mlflow=off", "cache=off")
+    result = exporter_cli("model=mlp", "backend=eager", "mlflow=off", "cache=off", "benchmark=off")
     assert result.exit_code == 0, result.output
     assert result.report()["passed"]
+    assert "benchmark" not in result.report()
+    assert "benchmark" not in json.loads((result.run_dir / "summary.json").read_text())["seconds"]
     assert not (result.run_dir / "model.pte").exists()
     assert not (result.run_dir.parent / "mlflow.db").exists()
     # cache=off builds in the run dir itself: no cache, and no staging folder left behind.

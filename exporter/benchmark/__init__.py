@@ -4,8 +4,7 @@ Separate from validation, which runs each shape once or twice to judge its numbe
 shape is warmed up, then timed many times, and summarized by its median and spread. Eager runs
 the exported program at the model's dtype on the same kind of device, timed the same way with
 the same CPU threads, so `speedup_vs_eager` says whether lowering paid off at that shape. The
-two are loaded together and timed shape by shape, one after the other, so a machine that slows
-down slows both.
+two are loaded together and take turns run by run, so a machine that slows down slows both.
 """
 
 from __future__ import annotations
@@ -143,14 +142,11 @@ def run(
     results = []
     for shape in shapes:
         interrupts.check()
-        shape_inputs = inputs(shape)
-        timing = measure(loaded, shape_inputs, settings.warmup, settings.repeats, settings.seconds)
-        eager_timing = None
-        if reference is not None:
-            eager_timing = measure(
-                reference, shape_inputs, settings.warmup, settings.repeats, settings.seconds
-            )
-        result = ShapeLatency(shape, timing, eager_timing)
+        contenders = [loaded] if reference is None else [loaded, reference]
+        timing, *eager_timing = measure(
+            contenders, inputs(shape), settings.warmup, settings.repeats, settings.seconds
+        )
+        result = ShapeLatency(shape, timing, eager_timing[0] if eager_timing else None)
         results.append(result)
         log.info(
             "[benchmark] %-12s %.3f ms (p10 %.3f, p90 %.3f, %d runs)  eager %s  speedup %s",
@@ -159,7 +155,7 @@ def run(
             timing.p10_ms,
             timing.p90_ms,
             len(timing.samples_ms),
-            f"{eager_timing.median_ms:.3f} ms" if eager_timing else "-",
+            f"{result.eager.median_ms:.3f} ms" if result.eager else "-",
             _speedup(result.speedup_vs_eager),
         )
     return Benchmark(threads, eager.device if eager else None, tuple(results))

@@ -59,28 +59,43 @@ class Timing:
 
 
 def measure(
-    loaded: Loaded, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, seconds: float
-) -> Timing:
-    """Runs `loaded` on `inputs` `warmup` times untimed, then times it until `repeats` runs or
-    `seconds` (counted from the first warm-up) have passed; at least one run of each kind.
-    Python's garbage collector is off meanwhile: a collection would land in one sample."""
-    run_once = (
-        _timed_steps(loaded, inputs) if hasattr(loaded, "execute") else _timed_run(loaded, inputs)
-    )
-    deadline = time.perf_counter() + seconds
+    contenders: Sequence[Loaded],
+    inputs: Sequence[torch.Tensor],
+    warmup: int,
+    repeats: int,
+    seconds: float,
+) -> list[Timing]:
+    """Times each of `contenders` on `inputs`, taking turns run by run, so that a machine that
+    slows down for a moment slows each of them alike: `warmup` rounds untimed, then timed rounds
+    until `repeats` or `seconds` per contender (counted from the first warm-up) have passed; at
+    least one round of each kind. Python's garbage collector is off meanwhile: a collection
+    would land in one sample."""
+    rounds = [
+        _timed_steps(contender, inputs)
+        if hasattr(contender, "execute")
+        else _timed_run(contender, inputs)
+        for contender in contenders
+    ]
+    deadline = time.perf_counter() + seconds * len(contenders)
     collecting = gc.isenabled()
     gc.disable()
     try:
         for _ in range(max(warmup, 1)):
-            run_once()
+            for run_once in rounds:
+                run_once()
             if time.perf_counter() > deadline:
                 break
-        samples = [run_once()]
-        while len(samples) < repeats and time.perf_counter() <= deadline:
-            samples.append(run_once())
+        samples: list[list[_Sample]] = [[] for _ in contenders]
+        while not samples[0] or (len(samples[0]) < repeats and time.perf_counter() <= deadline):
+            for run_once, taken in zip(rounds, samples, strict=True):
+                taken.append(run_once())
     finally:
         if collecting:
             gc.enable()
+    return [_timing(c, taken) for c, taken in zip(contenders, samples, strict=True)]
+
+
+def _timing(loaded: Loaded, samples: Sequence[_Sample]) -> Timing:
     computed = tuple(sample.compute_ms for sample in samples)
     if not hasattr(loaded, "execute"):
         return Timing(WHOLE_RUN, computed, None, None)
