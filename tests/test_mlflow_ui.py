@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
+from exporter import tracking
+from exporter.config import MlflowConfig
 from tests.conftest import PROJECT_ROOT, run_sweep
 from tests.mlflow_ui import CHROMIUM, open_experiment, serve_mlflow
 
@@ -33,3 +36,24 @@ def test_the_mlflow_ui_lists_the_runs_of_a_sweep(tmp_path: Path) -> None:
 
     assert set(names) <= set(shown), shown
     assert SCREENSHOT.stat().st_size > 20_000
+
+
+def test_an_experiment_made_without_a_kind_becomes_a_model_development_one(
+    tmp_path: Path,
+) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    files = str(tmp_path / "mlartifacts")
+    client = MlflowClient(uri)
+    untagged = client.create_experiment("untagged", artifact_location=files)
+    chosen = client.create_experiment(
+        "chosen", artifact_location=files, tags={tracking.EXPERIMENT_KIND_TAG: "genai_development"}
+    )
+
+    for name in ("untagged", "chosen", "new"):
+        cfg = MlflowConfig(enabled=True, tracking_uri=uri, artifact_location=files, experiment=name)
+        tracking.open_store(cfg)
+
+    kind = tracking.EXPERIMENT_KIND_TAG
+    assert client.get_experiment(untagged).tags[kind] == tracking.MODEL_DEVELOPMENT
+    assert client.get_experiment(chosen).tags[kind] == "genai_development"
+    assert client.get_experiment_by_name("new").tags[kind] == tracking.MODEL_DEVELOPMENT
