@@ -107,11 +107,11 @@ def experiment_url(base_url: str, experiment_id: str) -> str:
 @dataclass(frozen=True)
 class SweepView:
     """What a user sees of a sweep: the title of the page its experiment opens on, the runs
-    listed once every parent is expanded, and the steps plotted by one run's metric chart."""
+    listed once every parent is expanded, and the points of one run's metric chart."""
 
     opened_on: str
     run_names: list[str]
-    chart_steps: list[float]
+    chart_points: list[tuple[float, float]]
 
 
 def browse_sweep(
@@ -152,9 +152,9 @@ def browse_sweep(
             title = page.get_by_role("heading", name=metric, exact=True)
             plot = page.locator(CHART_CARD).filter(has=title).locator(PLOTLY_CHART)
             plot.wait_for()
-            chart_steps = plot.evaluate("chart => chart.data[0].x")
+            steps, values = plot.evaluate("chart => [chart.data[0].x, chart.data[0].y]")
             page.screenshot(path=screenshots / "chart.png", full_page=True)
-            return SweepView(opened_on, run_names, chart_steps)
+            return SweepView(opened_on, run_names, list(zip(steps, values, strict=True)))
         finally:
             context.close()
 
