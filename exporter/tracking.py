@@ -43,6 +43,13 @@ _MAX_PARAMS, _MAX_METRICS, _MAX_TAGS = 100, 1000, 100
 # MLflow retries a failed HTTP request 7 times with exponential backoff, about four minutes in
 # all; a server that stopped answering should cost a job seconds. A user's own setting wins.
 _HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# The kind of work an experiment holds, as MLflow's UI names it (its ExperimentKind values; the
+# Python package has no constant for them): models trained or exported, not GenAI traces. The UI
+# writes it when a user picks a kind. MLflow 3.17.2's UI does not read it when it opens an
+# experiment: the URL's `workflowType`, else the browser's last toggle, picks GenAI or Model
+# training (tests/mlflow_ui.py's experiment_url).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_DEVELOPMENT = "custom_model_development"
 
 
 @dataclass(frozen=True)
@@ -181,19 +188,24 @@ def _prepared_uri(uri: str) -> str:
 
 
 def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
+    """The experiment's id, created as a model-development experiment where it is missing; an
+    experiment without a kind (made before jobs set one) gets it, one with a kind keeps it."""
     experiment = client.get_experiment_by_name(cfg.experiment)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(
-            cfg.experiment, artifact_location=cfg.artifact_location or None
-        )
-    except MlflowException:
-        # Another job created it since we looked.
-        experiment = client.get_experiment_by_name(cfg.experiment)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
+    if experiment is None:
+        try:
+            return client.create_experiment(
+                cfg.experiment,
+                artifact_location=cfg.artifact_location or None,
+                tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT},
+            )
+        except MlflowException:
+            # Another job created it since we looked.
+            experiment = client.get_experiment_by_name(cfg.experiment)
+            if experiment is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
+    return experiment.experiment_id
 
 
 def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
@@ -27,6 +29,12 @@ CHROMIUM_ARGS = [
 # button, which has no label or test id: the cell is the stable anchor.
 RUN_NAME_CELL = '[col-id="attributes.`Run Name`"]'
 RUN_LINK = f'.ag-row {RUN_NAME_CELL} a[href*="/runs/"]'
+# The title of an experiment's page: "Runs", or "Overview" where the UI shows it as GenAI work.
+PAGE_TITLE = "main h2"
+# A run's Model metrics tab holds a card per metric, titled by the metric's name, its chart drawn
+# by Plotly, which keeps the plotted traces on the chart's element.
+CHART_CARD = '[data-testid="experiment-view-compare-runs-card"]'
+PLOTLY_CHART = ".js-plotly-plot"
 
 
 @contextmanager
@@ -86,19 +94,41 @@ def _wait_healthy(
     raise RuntimeError(f"mlflow server at {base_url} never became healthy ({state}):\n{tail}")
 
 
-def open_experiment(
+def experiment_url(base_url: str, experiment_id: str) -> str:
+    """The link that opens an experiment on its runs.
+
+    MLflow 3.17.2's UI shows an experiment either as GenAI work (Overview, traces, judges) or as
+    model training (its runs), by the URL's `workflowType`, else by the browser's last choice of
+    the sidebar's toggle, GenAI at first; it does not read the experiment's own kind tag.
+    """
+    return f"{base_url}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
+@dataclass(frozen=True)
+class SweepView:
+    """What a user sees of a sweep: the title of the page its experiment opens on, the runs
+    listed once every parent is expanded, and the points of one run's metric chart."""
+
+    opened_on: str
+    run_names: list[str]
+    chart_points: list[tuple[float, float]]
+
+
+def browse_sweep(
     base_url: str,
     experiment_id: str,
-    screenshot: Path,
     expect_names: list[str],
+    chart_run: str,
+    metric: str,
+    screenshots: Path,
     timeout_s: float = 60,
-) -> list[str]:
-    """Show the experiment's runs in Chromium until every name in `expect_names` is visible.
-
-    Saves a full-page screenshot and returns the names of the runs visible in the table.
-    """
+) -> SweepView:
+    """Open the experiment in Chromium and expand its runs until every name in `expect_names` is
+    listed, then open `chart_run` and find the chart of `metric` on its Model metrics tab, as a
+    user clicks through. Saves a full-page screenshot of each page in `screenshots`."""
     with sync_playwright() as pw, tempfile.TemporaryDirectory() as user_data_dir:
-        # A fresh profile each time: the UI remembers in local storage which parents are open.
+        # A fresh profile each time: the UI remembers in local storage which parents are open
+        # and which workflow was chosen last.
         context = pw.chromium.launch_persistent_context(
             user_data_dir,
             executable_path=CHROMIUM,
@@ -106,12 +136,25 @@ def open_experiment(
             args=CHROMIUM_ARGS,
             viewport={"width": 1600, "height": 1000},
         )
+        context.set_default_timeout(timeout_s * 1000)
         try:
             page = context.new_page()
-            page.goto(f"{base_url}/#/experiments/{experiment_id}/runs")
-            visible = _expand_until_visible(page, expect_names, timeout_s)
-            page.screenshot(path=screenshot, full_page=True)
-            return visible
+            page.goto(experiment_url(base_url, experiment_id))
+            opened_on = page.locator(PAGE_TITLE).first.inner_text()
+            run_names = _expand_until_visible(page, expect_names, timeout_s)
+            page.screenshot(path=screenshots / "experiment.png", full_page=True)
+
+            page.locator(RUN_LINK).filter(has_text=re.compile(f"^{re.escape(chart_run)}$")).click()
+            page.get_by_role("tab", name="Model metrics").click()
+            # Cards below the fold draw their chart only when scrolled to; searching for the
+            # metric leaves its card, and those of metrics whose names contain it, on top.
+            page.get_by_placeholder("Search metric charts").fill(metric)
+            title = page.get_by_role("heading", name=metric, exact=True)
+            plot = page.locator(CHART_CARD).filter(has=title).locator(PLOTLY_CHART)
+            plot.wait_for()
+            steps, values = plot.evaluate("chart => [chart.data[0].x, chart.data[0].y]")
+            page.screenshot(path=screenshots / "chart.png", full_page=True)
+            return SweepView(opened_on, run_names, list(zip(steps, values, strict=True)))
         finally:
             context.close()
 
