@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from PIL import Image
 
 from exporter import comparison
 from exporter.comparison import JobSummary
@@ -28,8 +29,7 @@ def passed(name: str, backend: str) -> JobSummary:
         status="passed",
         exit_code=0,
         worst_max_abs_err=8.5e-8,
-        dim="batch",
-        sizes=[1, 2, 64],
+        shapes=[{"batch": 1}, {"batch": 2}, {"batch": 64}],
         max_abs_err=[3e-8, 4e-8, 8.5e-8],
         latency_ms=[0.05, 0.05, 0.07],
         latency_p10_ms=[0.04, 0.05, 0.06],
@@ -63,6 +63,20 @@ def test_jobs_are_listed_by_their_number_not_their_name(tmp_path: Path) -> None:
     for name in names:
         passed(name, "eager").write(job_dir(tmp_path, name, "eager"))
     assert [s.job for s in comparison.collect(tmp_path)] == names[::-1]
+
+
+def test_each_dynamic_dim_gets_a_panel_with_the_jobs_that_have_it(tmp_path: Path) -> None:
+    encoder = passed("1-encoder-executorch", "executorch")
+    encoder.choices["model"] = "encoder"
+    encoder.shapes = [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 64}, {"batch": 8, "seq": 1}]
+    plots = comparison.write_plots([passed("0-mlp-eager", "eager"), encoder], ["a", "b"], tmp_path)
+    assert [plot.name for plot in plots] == [
+        "max_abs_err_vs_size.png",
+        "latency_vs_size.png",
+        "speedup_vs_eager_vs_size.png",
+    ]
+    # Two panels side by side (batch: both jobs; seq: the encoder's), each 7 inches at 110 dpi.
+    assert all(Image.open(plot).size == (1540, 495) for plot in plots)
 
 
 def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path) -> None:

@@ -65,12 +65,10 @@ class JobSummary:
     cache_keys: dict[str, str] = field(default_factory=dict)
     # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
     target: dict[str, str] = field(default_factory=dict)
-    # Per live shape, smallest first: its step (the size of the one dynamic dim `dim`, or with
-    # several dims, `dim` "shape #", its position in the plan), the worst error, and where the
+    # Per live shape, smallest first: its size per dynamic dim, the worst error, and where the
     # benchmark ran, the median latency with its 10th and 90th percentiles, eager's median and
     # the speedup over it (None where eager did not run).
-    dim: str | None = None
-    sizes: list[int] = field(default_factory=list)
+    shapes: list[dict[str, int]] = field(default_factory=list)
     max_abs_err: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     latency_p10_ms: list[float] = field(default_factory=list)
@@ -107,17 +105,11 @@ class JobSummary:
             summary.export_failures = record.diagnosis.kinds
             summary.draft = record.diagnosis.continued_with_draft
         if record.report:
-            # Imported here: the validate package loads torch, which a job that never reached
-            # validation, and the command's own process, do without.
-            from exporter.validate.plan import steps
-
             results = record.report.by_shape()
             summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")
             summary.worst_nrmse = record.report.worst("nrmse")
-            shapes = [result.shape for result in results]
-            summary.dim = next(iter(shapes[0])) if len(shapes[0]) == 1 else "shape #"
-            summary.sizes = steps(shapes)
+            summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
         if record.benchmark:
             timed = record.benchmark.shapes
