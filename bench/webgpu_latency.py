@@ -1,13 +1,15 @@
 """Per-shape latency of a backend=webgpu program next to eager PyTorch, as a table.
 
     python bench/webgpu_latency.py outputs/runs/.../model.pte model=llama \\
-        --device auto --torch-device cuda --repeats 10
+        --device auto --torch-device cuda --repeats 20
 
 The program runs through runtimes/webgpu on the wgpu adapter `--device` picks (auto, gpu, cpu);
 eager runs the model's own module on `--torch-device`. Both see the live shapes validation
-plans for the model's dims, each once to warm up, then `--repeats` times; the table gives the
-median, inputs copied in and outputs copied back included. The model config must be the one the
-program was lowered from (same overrides): its outputs are compared, as a sanity check.
+plans for the model's dims, each once to warm up, then `--repeats` times, taking turns so that
+both see the same machine; the table gives medians, inputs copied in and outputs copied back
+included (and the program's `execute` alone, its inputs uploaded before), and the ratio of the
+two runs' medians. The model config must be the one the program was lowered from (same
+overrides): its outputs are compared, as a sanity check.
 """
 
 from __future__ import annotations
@@ -31,14 +33,21 @@ from exporter.validate.plan import label, plan  # noqa: E402
 from runtimes import load  # noqa: E402
 
 
-def median_ms(call: Callable[[], Sequence[torch.Tensor]], repeats: int) -> float:
+def elapsed_ms(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
     call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return (time.perf_counter() - start) * 1e3
+
+
+def medians_ms(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Each call's median time over `repeats` rounds, the calls taking turns in every round."""
+    for call in calls:
         call()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, samples in zip(calls, times, strict=True):
+            samples.append(elapsed_ms(call))
+    return [statistics.median(samples) for samples in times]
 
 
 def main() -> None:
@@ -49,7 +58,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu"])
     parser.add_argument("--torch-device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 
     config_store.register_schemas()
@@ -70,14 +79,37 @@ def main() -> None:
     rows = []
     for shape in plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, 0):
         inputs = bundle.make_inputs(shape, 0)
-        gpu_ms = median_ms(lambda inputs=inputs: program.run(inputs), args.repeats)
-        eager_ms = median_ms(lambda inputs=inputs: eager(inputs), args.repeats)
+        resident = program.upload(inputs)
+        gpu_ms, execute_ms, eager_ms = medians_ms(
+            [
+                lambda inputs=inputs: program.run(inputs),
+                lambda resident=resident: program.execute(resident),
+                lambda inputs=inputs: eager(inputs),
+            ],
+            args.repeats,
+        )
         error = max(
             (got - want).abs().max().item()
             for got, want in zip(program.run(inputs), eager(inputs), strict=True)
         )
-        rows.append([label(shape), f"{gpu_ms:.2f}", f"{eager_ms:.2f}", f"{error:.2g}"])
-    headers = ["shape", f"webgpu ms ({program.target['adapter']})", "eager ms", "max_abs"]
+        rows.append(
+            [
+                label(shape),
+                f"{gpu_ms:.2f}",
+                f"{execute_ms:.2f}",
+                f"{eager_ms:.2f}",
+                f"{gpu_ms / eager_ms:.2f}",
+                f"{error:.2g}",
+            ]
+        )
+    headers = [
+        "shape",
+        f"webgpu ms ({program.target['adapter']})",
+        "execute ms",
+        f"eager ms ({args.torch_device})",
+        "webgpu / eager",
+        "max_abs",
+    ]
     print(tabulate(rows, headers=headers, disable_numparse=True))
 
 

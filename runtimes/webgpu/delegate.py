@@ -1,24 +1,30 @@
 """One VulkanBackend delegate on a WebGPU device: its values, buffers and ops, and `execute`.
 
-At load: every tensor gets a storage buffer sized at its upper-bound dims (tensors of one
-memory-planning slot share one, sized for the largest), constants are uploaded once, and every
-op builds its pipelines and bind groups. An execute only writes the live inputs, runs each op's
-resize rule in graph order, records the dispatches into one compute pass, and reads the outputs
-back at their live shapes.
+At load: constants are uploaded once, every other tensor gets a storage buffer sized at its
+upper-bound dims (shared with others as runtimes/webgpu/memory_plan.py plans, views and
+same-type copies sharing their input's), and every op builds its pipelines and bind groups.
+
+An execute writes the live inputs and, the first time it meets these live shapes, runs each op's
+resize rule in graph order and records the dispatches and their parameters
+(kernels.base.Recording); at shapes met before, it replays what it recorded then. It submits one
+compute pass and reads the outputs back at their live shapes.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import wgpu
 
-from runtimes.webgpu import kernels
-from runtimes.webgpu.kernels.base import Gpu, GpuOp, GpuTensor, SymInt, UnsupportedOp
+from runtimes.webgpu import kernels, memory_plan
+from runtimes.webgpu.kernels.base import Gpu, GpuOp, GpuTensor, Recording, SymInt, UnsupportedOp
+from runtimes.webgpu.kernels.layout import Reinterpret
 from runtimes.webgpu.vulkan_payload import (
     NAMED_DATA_OFFSET,
     BoolList,
@@ -39,18 +45,39 @@ _MAP_ALIGNMENT = 256
 # Ops that only repack a constant for the native runtime's texture layouts; here the constant's
 # buffer already is the packed form, so their output is that buffer.
 ALIASES = ("et_vk.prepack.default",)
+# Live-shape sets whose recordings a delegate keeps (the least recently used goes first).
+RECORDINGS_KEPT = 64
+
+
+@dataclass
+class ShapeRecording:
+    """What an execute at one set of live shapes does: its dispatches, the parameter uploads,
+    the output copies to staging (source buffer, staging offset, bytes), and the outputs' live
+    dims (a tensor's) or values (a symbolic int's)."""
+
+    recording: Recording
+    uploads: list[tuple[wgpu.GPUBuffer, int, bytes]]
+    copies: list[tuple[wgpu.GPUBuffer, int, int]]
+    outputs: list[tuple[Any, list[int] | int]]
 
 
 class DelegateGraph:
     def __init__(self, gpu: Gpu, graph: VkGraph, named_data: Mapping[str, bytes]) -> None:
         self.gpu = gpu
         self.values: list[Any] = self._values(graph, named_data)
-        self.ops: list[GpuOp] = []
+        calls = []
         for call in graph.chain:
             if call.name in ALIASES:
                 self.values[call.args[-1]] = self.values[call.args[0]]
                 continue
-            self.ops.append(kernels.build(gpu, call.name, [self.values[a] for a in call.args]))
+            calls.append((call.name, [self.values[a] for a in call.args]))
+        tensors = [v for v in self.values if isinstance(v, GpuTensor)]
+        outputs = [self.values[v] for v in graph.output_ids]
+        aliased = memory_plan.plan(gpu, calls, tensors, outputs)
+        self.ops: list[GpuOp] = [
+            Reinterpret(gpu, name, args) if k in aliased else kernels.build(gpu, name, args)
+            for k, (name, args) in enumerate(calls)
+        ]
         self.input_ids = graph.input_ids
         self.output_ids = graph.output_ids
         # Where outputs are copied to be read on the host: one mappable buffer for all of
@@ -66,18 +93,15 @@ class DelegateGraph:
             size=max(size, _MAP_ALIGNMENT),
             usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
         )
+        self.recordings: OrderedDict[tuple[Any, ...], ShapeRecording] = OrderedDict()
+        # The recording whose parameters the uniform buffers hold now.
+        self.uploaded: ShapeRecording | None = None
 
     def _values(self, graph: VkGraph, named_data: Mapping[str, bytes]) -> list[Any]:
-        slot_bytes: dict[int, int] = {}
-        for value in graph.values:
-            if isinstance(value, VkTensor) and value.mem_obj_id >= 0:
-                slot = value.mem_obj_id
-                slot_bytes[slot] = max(slot_bytes.get(slot, 0), _nbytes(value))
-        slots = {slot: self.gpu.storage(size) for slot, size in slot_bytes.items()}
         values: list[Any] = []
         for value in graph.values:
             if isinstance(value, VkTensor):
-                values.append(self._tensor(value, graph, named_data, slots))
+                values.append(self._tensor(value, graph, named_data))
             elif isinstance(value, VkSymInt):
                 values.append(SymInt(value.value))
             elif isinstance(value, IntList | DoubleList | BoolList):
@@ -92,28 +116,23 @@ class DelegateGraph:
         return values
 
     def _tensor(
-        self,
-        value: VkTensor,
-        graph: VkGraph,
-        named_data: Mapping[str, bytes],
-        slots: Mapping[int, wgpu.GPUBuffer],
+        self, value: VkTensor, graph: VkGraph, named_data: Mapping[str, bytes]
     ) -> GpuTensor:
+        """A constant in its own buffer, with its bytes; any other tensor without a buffer
+        yet (the memory plan gives it one)."""
         if value.dtype not in _WGSL:
             raise UnsupportedOp(f"a {value.dtype} tensor (supported: {', '.join(_WGSL)})")
         wgsl = _WGSL[value.dtype]
-        if value.mem_obj_id >= 0:
-            buffer = slots[value.mem_obj_id]
+        if value.constant_id < 0:
+            return GpuTensor(wgsl, value.dtype, tuple(value.dims), None)
+        tensor = GpuTensor(wgsl, value.dtype, tuple(value.dims), self.gpu.storage(_nbytes(value)))
+        constant = graph.constants[value.constant_id]
+        if constant.offset == NAMED_DATA_OFFSET or constant.named_key:
+            data = named_data[str(constant.named_key)][: constant.length]
         else:
-            buffer = self.gpu.storage(_nbytes(value))
-        tensor = GpuTensor(wgsl, value.dtype, tuple(value.dims), buffer)
-        if value.constant_id >= 0:
-            constant = graph.constants[value.constant_id]
-            if constant.offset == NAMED_DATA_OFFSET or constant.named_key:
-                data = named_data[str(constant.named_key)][: constant.length]
-            else:
-                data = graph.constant_bytes[constant.offset : constant.offset + constant.length]
-            host = np.frombuffer(data, dtype=_host_numpy(value.dtype))
-            self._upload(tensor, host.astype(_NUMPY[wgsl]))
+            data = graph.constant_bytes[constant.offset : constant.offset + constant.length]
+        host = np.frombuffer(data, dtype=_host_numpy(value.dtype))
+        self._upload(tensor, host.astype(_NUMPY[wgsl]))
         return tensor
 
     def _upload(self, tensor: GpuTensor, array: np.ndarray) -> None:
@@ -121,35 +140,72 @@ class DelegateGraph:
             self.gpu.device.queue.write_buffer(tensor.buffer, 0, np.ascontiguousarray(array))
 
     def execute(self, inputs: Sequence[torch.Tensor | int]) -> list[torch.Tensor | int]:
-        for position, (value_id, given) in enumerate(zip(self.input_ids, inputs, strict=True)):
-            target = self.values[value_id]
-            if isinstance(target, SymInt):
-                target.value = int(given)
-                continue
-            _check_bound(position, target, given.shape)
-            target.dims = list(given.shape)
-            array = given.detach().cpu().contiguous().numpy().astype(_NUMPY[target.wgsl])
-            self._upload(target, array)
-        for op in self.ops:
-            op.resize()
+        shapes = self._write_inputs(inputs)
+        recorded = self.recordings.get(shapes)
+        if recorded is None:
+            recorded = self._record()
+            self.recordings[shapes] = recorded
+            if len(self.recordings) > RECORDINGS_KEPT:
+                self.recordings.popitem(last=False)
+        else:
+            self.recordings.move_to_end(shapes)
+            for value, live in recorded.outputs:
+                if isinstance(value, SymInt):
+                    value.value = live
+                else:
+                    value.dims = live
+        queue = self.gpu.device.queue
+        if self.uploaded is not recorded:
+            for buffer, offset, data in recorded.uploads:
+                queue.write_buffer(buffer, offset, data)
+            self.uploaded = recorded
         encoder = self.gpu.device.create_command_encoder()
         compute_pass = encoder.begin_compute_pass()
-        for op in self.ops:
-            op.encode(compute_pass)
+        recorded.recording.encode(compute_pass)
         compute_pass.end()
-        for value_id, offset in self.staging_offsets.items():
-            tensor = self.values[value_id]
-            if tensor.numel:
-                encoder.copy_buffer_to_buffer(
-                    tensor.buffer, 0, self.staging, offset, tensor.numel * 4
-                )
-        self.gpu.device.queue.submit([encoder.finish()])
+        for buffer, offset, nbytes in recorded.copies:
+            encoder.copy_buffer_to_buffer(buffer, 0, self.staging, offset, nbytes)
+        queue.submit([encoder.finish()])
         # Mapping waits for the submitted work: the outputs are final once it returns.
         self.staging.map_sync(wgpu.MapMode.READ)
         try:
             return [self._read(value_id) for value_id in self.output_ids]
         finally:
             self.staging.unmap()
+
+    def _write_inputs(self, inputs: Sequence[torch.Tensor | int]) -> tuple[Any, ...]:
+        """Writes the live inputs to their buffers; returns their live shapes and ints, which
+        decide every op's live shapes and parameters."""
+        shapes: list[Any] = []
+        for position, (value_id, given) in enumerate(zip(self.input_ids, inputs, strict=True)):
+            target = self.values[value_id]
+            if isinstance(target, SymInt):
+                target.value = int(given)
+                shapes.append(target.value)
+                continue
+            _check_bound(position, target, given.shape)
+            target.dims = list(given.shape)
+            shapes.append(tuple(target.dims))
+            array = given.detach().cpu().contiguous().numpy().astype(_NUMPY[target.wgsl])
+            self._upload(target, array)
+        return tuple(shapes)
+
+    def _record(self) -> ShapeRecording:
+        for op in self.ops:
+            op.resize()
+        recording = Recording()
+        for op in self.ops:
+            op.encode(recording)
+        copies = []
+        for value_id, offset in self.staging_offsets.items():
+            tensor = self.values[value_id]
+            if tensor.numel:
+                copies.append((tensor.buffer, offset, tensor.numel * 4))
+        outputs = []
+        for value_id in self.output_ids:
+            value = self.values[value_id]
+            outputs.append((value, value.value if isinstance(value, SymInt) else list(value.dims)))
+        return ShapeRecording(recording, recording.uploads(), copies, outputs)
 
     def _read(self, value_id: int) -> torch.Tensor | int:
         value = self.values[value_id]

@@ -40,7 +40,14 @@ class InputOutOfBounds(ValueError):
 
 
 class WebgpuProgram:
-    """A loaded program; `run` may be called with inputs of any shape within its bounds."""
+    """A loaded program; `run` may be called with inputs of any shape within its bounds, and is
+    `download(execute(upload(inputs)))`, the steps a benchmark times apart (runtimes.Loaded).
+
+    `execute` walks the whole program: its CPU kernels and, per delegate call, the copy of that
+    delegate's inputs to the GPU, its compute pass, and the copy of its outputs back, which the
+    CPU kernels after it read. It returns once the GPU has finished, so a host clock times it."""
+
+    clock = "cpu"
 
     def __init__(self, path: Path, device: str = "auto", method: str = "forward") -> None:
         pte = read_pte(path)
@@ -100,19 +107,35 @@ class WebgpuProgram:
                 refused.append(f"CPU op {error}")
         return refused
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def upload(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | Any]:
+        """The inputs checked against the program's bounds, at the dtypes it was planned with.
+        They stay on the host: the walk copies each delegate's inputs to the GPU as it calls
+        it, after the CPU kernels before it."""
         if len(inputs) != len(self.plan.inputs):
             raise InputOutOfBounds(
                 f"the program takes {len(self.plan.inputs)} inputs, not {len(inputs)}"
             )
+        resident = []
         for position, (index, given) in enumerate(zip(self.plan.inputs, inputs, strict=True)):
             planned = self.plan.values[index]
             if isinstance(planned, TensorValue):
                 _check_input(position, planned, given)
                 given = given.to(planned.dtype)
+            resident.append(given)
+        return resident
+
+    def execute(self, resident: Sequence[torch.Tensor | Any]) -> list[Any]:
+        for index, given in zip(self.plan.inputs, resident, strict=True):
             self.values[index] = given
         self._walk()
-        return tuple(_owned(self.values[index]) for index in self.plan.outputs)
+        return [self.values[index] for index in self.plan.outputs]
+
+    def download(self, produced: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        # The next execute writes into the program's values: the caller gets its own copies.
+        return tuple(_owned(value) for value in produced)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return self.download(self.execute(self.upload(inputs)))
 
     def _walk(self) -> None:
         instructions = self.plan.instructions

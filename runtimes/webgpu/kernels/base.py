@@ -1,10 +1,11 @@
 """What every delegated op is built from: tensors in GPU buffers sized at their upper bound, and
 dispatches (a WGSL pipeline, its bind group and its uniform parameters) recorded into one pass.
 
-An op is built once, at load, from its resolved arguments; each execute calls `resize` (the op's
-resize rule: live output dims from live input dims and symbolic ints), then `encode`, which
-writes the live parameters and records the dispatches. Buffers and bind groups never change
-after load.
+An op is built once, at load, from its resolved arguments. At a new set of live shapes, the
+delegate calls each op's `resize` (the op's resize rule: live output dims from live input dims
+and symbolic ints), then `encode`, which adds the op's dispatches and their live parameters to a
+Recording; the delegate keeps the Recording and replays it while the shapes stay the same.
+Buffers and bind groups never change after load.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import wgpu
 MAX_RANK = 6
 # 48 u32 words of uniform parameters per dispatch (12 vec4, as uniform arrays need).
 PARAM_WORDS = 48
+# Each dispatch's parameters sit at their own offset of a shared uniform buffer; bindings must
+# start at multiples of WebGPU's default minUniformBufferOffsetAlignment.
+PARAM_STRIDE = 256
+PARAM_SLOTS_PER_BUFFER = 256
 WORKGROUP = 64
 # Per-dispatch-dimension limit of WebGPU; larger grids spill into y.
 MAX_GROUPS = 65535
@@ -39,14 +44,16 @@ class SymInt:
 
 @dataclass
 class GpuTensor:
-    """A contiguous tensor in its own storage buffer (or a slot shared by memory planning)."""
+    """A contiguous tensor in a storage buffer, which it may share with tensors not alive at
+    the same time, or with its views (runtimes/webgpu/memory_plan.py)."""
 
     # WGSL element type: f32 for float32, i32 for int32, int64 (downcast) and bool.
     wgsl: str
     # The tensor's dtype on the host side ("float32", "int32", "int64", "bool").
     host_dtype: str
     max_dims: tuple[int, ...]
-    buffer: wgpu.GPUBuffer
+    # None only while a delegate loads, until its memory plan gives the tensor one.
+    buffer: wgpu.GPUBuffer | None
     dims: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -131,11 +138,14 @@ def grid_1d(groups: int) -> tuple[int, int]:
 
 
 class Gpu:
-    """The device, and the pipelines compiled so far (one per distinct WGSL source)."""
+    """The device, the pipelines compiled so far (one per distinct WGSL source), and the uniform
+    buffers that hold every dispatch's parameters, PARAM_STRIDE bytes apart."""
 
     def __init__(self, device: wgpu.GPUDevice) -> None:
         self.device = device
         self._pipelines: dict[str, wgpu.GPUComputePipeline] = {}
+        self._uniforms: list[wgpu.GPUBuffer] = []
+        self._slots_used = PARAM_SLOTS_PER_BUFFER
 
     def pipeline(self, code: str) -> wgpu.GPUComputePipeline:
         if code not in self._pipelines:
@@ -151,18 +161,39 @@ class Gpu:
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
         return self.device.create_buffer(size=size, usage=usage)
 
+    def uniform_slot(self) -> tuple[wgpu.GPUBuffer, int]:
+        """A new dispatch's place for its parameters: (uniform buffer, byte offset). Slots are
+        handed out in order, so the dispatches of one delegate, built together, fill one run
+        of slots per buffer and a Recording writes each run in one upload."""
+        if self._slots_used == PARAM_SLOTS_PER_BUFFER:
+            self._uniforms.append(
+                self.device.create_buffer(
+                    size=PARAM_STRIDE * PARAM_SLOTS_PER_BUFFER,
+                    usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST,
+                )
+            )
+            self._slots_used = 0
+        offset = self._slots_used * PARAM_STRIDE
+        self._slots_used += 1
+        return self._uniforms[-1], offset
+
 
 class Dispatch:
-    """One compute dispatch: its pipeline, bind group (uniforms + tensors) and uniform buffer."""
+    """One compute dispatch: its pipeline, and its bind group (its uniform slot + tensors)."""
 
     def __init__(self, gpu: Gpu, code: str, tensors: Sequence[GpuTensor]) -> None:
-        self.gpu = gpu
         self.pipeline = gpu.pipeline(code)
-        self.uniforms = gpu.device.create_buffer(
-            size=PARAM_WORDS * 4,
-            usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST,
-        )
-        entries = [{"binding": 0, "resource": {"buffer": self.uniforms}}]
+        self.uniforms, self.offset = gpu.uniform_slot()
+        entries = [
+            {
+                "binding": 0,
+                "resource": {
+                    "buffer": self.uniforms,
+                    "offset": self.offset,
+                    "size": PARAM_WORDS * 4,
+                },
+            }
+        ]
         entries += [
             {"binding": i + 1, "resource": {"buffer": tensor.buffer}}
             for i, tensor in enumerate(tensors)
@@ -170,21 +201,54 @@ class Dispatch:
         self.bind_group = gpu.device.create_bind_group(
             layout=self.pipeline.get_bind_group_layout(0), entries=entries
         )
-        # The parameters last written: a run at the same shapes writes none again.
-        self.written: bytes | None = None
 
-    def record(
-        self, compute_pass: wgpu.GPUComputePassEncoder, params: Params, grid: Sequence[int]
-    ) -> None:
-        if math.prod(grid) == 0:
-            return
-        data = params.to_bytes()
-        if data != self.written:
-            self.gpu.device.queue.write_buffer(self.uniforms, 0, data)
-            self.written = data
-        compute_pass.set_pipeline(self.pipeline)
-        compute_pass.set_bind_group(0, self.bind_group)
-        compute_pass.dispatch_workgroups(*grid)
+    def record(self, recording: Recording, params: Params, grid: Sequence[int]) -> None:
+        if math.prod(grid) != 0:
+            recording.add(self, params.to_bytes(), grid)
+
+
+class Recording:
+    """The dispatches of a delegate at one set of live shapes: each one's pipeline (None where
+    the previous dispatch's is the same), bind group and grid; and the parameters of them all,
+    as one upload per uniform buffer. Replaying it costs three wgpu calls per dispatch and no
+    Python work per op."""
+
+    def __init__(self) -> None:
+        self.commands: list[
+            tuple[wgpu.GPUComputePipeline | None, wgpu.GPUBindGroup, tuple[int, int, int]]
+        ] = []
+        self._params: dict[wgpu.GPUBuffer, dict[int, bytes]] = {}
+        self._last_pipeline: wgpu.GPUComputePipeline | None = None
+
+    def add(self, dispatch: Dispatch, params: bytes, grid: Sequence[int]) -> None:
+        pipeline = None if dispatch.pipeline is self._last_pipeline else dispatch.pipeline
+        self._last_pipeline = dispatch.pipeline
+        x, y, z = grid
+        self.commands.append((pipeline, dispatch.bind_group, (x, y, z)))
+        self._params.setdefault(dispatch.uniforms, {})[dispatch.offset] = params
+
+    def uploads(self) -> list[tuple[wgpu.GPUBuffer, int, bytes]]:
+        """(buffer, offset, bytes): every recorded parameter, one contiguous write per buffer.
+        The gaps between slots are slots of this delegate's dispatches that dispatch nothing at
+        these shapes, so writing zeros there harms no one."""
+        uploads = []
+        for buffer, slots in self._params.items():
+            start = min(slots)
+            blob = bytearray(max(slots) + PARAM_STRIDE - start)
+            for offset, data in slots.items():
+                blob[offset - start : offset - start + len(data)] = data
+            uploads.append((buffer, start, bytes(blob)))
+        return uploads
+
+    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+        set_pipeline = compute_pass.set_pipeline
+        set_bind_group = compute_pass.set_bind_group
+        dispatch = compute_pass.dispatch_workgroups
+        for pipeline, bind_group, (x, y, z) in self.commands:
+            if pipeline is not None:
+                set_pipeline(pipeline)
+            set_bind_group(0, bind_group)
+            dispatch(x, y, z)
 
 
 class GpuOp:
@@ -198,7 +262,7 @@ class GpuOp:
     def resize(self) -> None:
         raise NotImplementedError
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         raise NotImplementedError
 
 

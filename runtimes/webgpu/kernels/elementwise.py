@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
+    Recording,
     contiguous_strides,
     live,
     tensor_arg,
@@ -113,6 +112,9 @@ RULES: dict[str, Rule] = {
     "dim_order_ops._clone_dim_order.default": _CAST,
     "dim_order_ops._to_dim_order_copy.default": _CAST,
 }
+# Ops whose output holds its input's values, converted to the output's type.
+COPIES = tuple(name for name, rule in RULES.items() if rule is _CAST)
+
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     _symbol = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[_name]
     for _overload, _rule in _compare(_symbol).items():
@@ -200,12 +202,12 @@ class Elementwise(GpuOp):
             dims = [max(0, math.ceil((end - start) / step))]
         self.out.set_dims(dims, self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         dims = self.out.dims
         operands = [Operand(0, contiguous_strides(dims))]
         operands += [Operand(0, broadcast_strides(t.dims, dims)) for t in self.inputs]
         scalars = [(value, self.compute) for value in self._scalar_values()]
-        self.dispatch.record(compute_pass, dims, operands, scalars)
+        self.dispatch.record(recording, dims, operands, scalars)
 
 
 OPS: dict[str, type[GpuOp]] = dict.fromkeys(RULES, Elementwise)

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     PARAMS_WGSL,
     WORKGROUP,
@@ -20,6 +18,7 @@ from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
     Params,
+    Recording,
     UnsupportedOp,
     grid_1d,
     tensor_arg,
@@ -57,13 +56,13 @@ class Embedding(GpuOp):
     def resize(self) -> None:
         self.out.set_dims([*self.ids.dims, self.table.dims[-1]], self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         params = Params()
         params.u32(0, self.out.numel)
         params.u32(1, self.table.dims[-1])
         params.u32(2, self.table.dims[0])
         groups = -(-self.out.numel // WORKGROUP)
-        self.dispatch.record(compute_pass, params, (*grid_1d(groups), 1) if groups else (0, 0, 0))
+        self.dispatch.record(recording, params, (*grid_1d(groups), 1) if groups else (0, 0, 0))
 
 
 OPS: dict[str, type[GpuOp]] = {"aten.embedding.default": Embedding}

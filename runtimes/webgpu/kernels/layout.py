@@ -11,12 +11,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
     GpuTensor,
+    Recording,
     contiguous_strides,
     live,
     tensor_arg,
@@ -48,37 +47,61 @@ class StridedCopy(GpuOp):
     def resize(self) -> None:
         self.out.set_dims(self.out_dims(), self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         dims = self.out.dims
         operands = [Operand(0, contiguous_strides(dims)), self.source()]
-        self.dispatch.record(compute_pass, dims, operands)
+        self.dispatch.record(recording, dims, operands)
+
+
+def view_dims(name: str, args: Sequence[Any], input: GpuTensor) -> list[int]:
+    """The live dims of a view_copy, unsqueeze_copy or squeeze_copy of `input`."""
+    dims = input.dims
+    if name == "aten.view_copy.default" or name == "aten._unsafe_view.default":
+        size = live(args[1])
+        if -1 in size:
+            known = math.prod(s for s in size if s != -1)
+            size[size.index(-1)] = input.numel // known if known else 0
+        return size
+    if name == "aten.unsqueeze_copy.default":
+        dim = _dim(args[1], len(dims) + 1)
+        return [*dims[:dim], 1, *dims[dim:]]
+    squeezed = args[1] if len(args) > 2 else None
+    if squeezed is None:
+        targets = set(range(len(dims)))
+    elif isinstance(squeezed, list):
+        targets = {_dim(d, len(dims)) for d in squeezed}
+    else:
+        targets = {_dim(squeezed, len(dims))}
+    return [size for d, size in enumerate(dims) if not (d in targets and size == 1)]
 
 
 class View(StridedCopy):
     """view_copy, unsqueeze_copy, squeeze_copy: same elements in the same order."""
 
     def out_dims(self) -> list[int]:
-        dims = self.input.dims
-        if self.name == "aten.view_copy.default" or self.name == "aten._unsafe_view.default":
-            size = live(self.args[1])
-            if -1 in size:
-                known = math.prod(s for s in size if s != -1)
-                size[size.index(-1)] = self.input.numel // known if known else 0
-            return size
-        if self.name == "aten.unsqueeze_copy.default":
-            dim = _dim(self.args[1], len(dims) + 1)
-            return [*dims[:dim], 1, *dims[dim:]]
-        squeezed = self.args[1] if len(self.args) > 2 else None
-        if squeezed is None:
-            targets = set(range(len(dims)))
-        elif isinstance(squeezed, list):
-            targets = {_dim(d, len(dims)) for d in squeezed}
-        else:
-            targets = {_dim(squeezed, len(dims))}
-        return [size for d, size in enumerate(dims) if not (d in targets and size == 1)]
+        return view_dims(self.name, self.args, self.input)
 
     def source(self) -> Operand:
         return Operand(0, contiguous_strides(self.out.dims))
+
+
+class Reinterpret(GpuOp):
+    """A view, or a copy to the same GPU element type, whose output was given its input's
+    buffer at load (runtimes/webgpu/aliasing.py): it only sets the output's live dims."""
+
+    def __init__(self, gpu: Gpu, name: str, args: Sequence[Any]) -> None:
+        super().__init__(gpu, name, args)
+        self.input = tensor_arg(name, args[0], "input")
+        self.out = tensor_arg(name, args[-1], "output")
+
+    def resize(self) -> None:
+        if self.name in VIEWS:
+            self.out.set_dims(view_dims(self.name, self.args, self.input), self.name)
+        else:
+            self.out.set_dims(self.input.dims, self.name)
+
+    def encode(self, recording: Recording) -> None:
+        return
 
 
 class Permute(StridedCopy):
@@ -184,7 +207,7 @@ class Cat(GpuOp):
         dims[dim] = sum(t.dims[dim] for t in parts)
         self.out.set_dims(dims, self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         dim = self._dim()
         out_strides = contiguous_strides(self.out.dims)
         offset = 0
@@ -195,10 +218,18 @@ class Cat(GpuOp):
                 Operand(offset * out_strides[dim], out_strides),
                 Operand(0, contiguous_strides(tensor.dims)),
             ]
-            dispatch.record(compute_pass, tensor.dims, operands)
+            dispatch.record(recording, tensor.dims, operands)
             offset += tensor.dims[dim]
 
 
+VIEWS = (
+    "aten.view_copy.default",
+    "aten._unsafe_view.default",
+    "aten.unsqueeze_copy.default",
+    "aten.squeeze_copy.default",
+    "aten.squeeze_copy.dim",
+    "aten.squeeze_copy.dims",
+)
 _COPIES: dict[str, type[StridedCopy]] = {
     "aten.view_copy.default": View,
     "aten._unsafe_view.default": View,

@@ -14,8 +14,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     PARAMS_WGSL,
     Dispatch,
@@ -23,6 +21,7 @@ from runtimes.webgpu.kernels.base import (
     GpuOp,
     GpuTensor,
     Params,
+    Recording,
     UnsupportedOp,
     contiguous_strides,
     tensor_arg,
@@ -117,7 +116,7 @@ class Matmul(GpuOp):
             dims = [m, n]
         self.out.set_dims(dims, self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         batch, m, n, k, a_strides, b_strides = self._geometry()
         params = Params()
         for index, value in enumerate((m, n, k, *a_strides, *b_strides)):
@@ -132,7 +131,7 @@ class Matmul(GpuOp):
             params.f32(11, alpha)
             params.f32(12, beta)
         grid = (-(-n // TILE), -(-m // TILE), batch)
-        self.dispatch.record(compute_pass, params, grid)
+        self.dispatch.record(recording, params, grid)
 
     def _scales(self) -> tuple[float, float]:
         # addmm(bias, a, b, *, beta=1, alpha=1): beta * bias + alpha * (a @ b).

@@ -14,8 +14,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     PARAMS_WGSL,
     WORKGROUP,
@@ -23,6 +21,7 @@ from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuOp,
     Params,
+    Recording,
     UnsupportedOp,
     grid_1d,
     tensor_arg,
@@ -159,7 +158,7 @@ class Reduction(GpuOp):
                 del dims[self.dim]
         self.out.set_dims(dims, self.name)
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         dims = self.input.dims
         reduced = dims[self.dim]
         inner = math.prod(dims[self.dim + 1 :])
@@ -170,7 +169,7 @@ class Reduction(GpuOp):
         params.u32(2, inner)
         if self.kind == "rms_norm":
             params.f32(3, self.eps)
-        self.dispatch.record(compute_pass, params, (*grid_1d(rows), 1) if rows else (0, 0, 0))
+        self.dispatch.record(recording, params, (*grid_1d(rows), 1) if rows else (0, 0, 0))
 
 
 OPS: dict[str, type[GpuOp]] = dict.fromkeys(_OPS, Reduction)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import wgpu
-
 from runtimes.webgpu.kernels.base import (
     MAX_RANK,
     PARAMS_WGSL,
@@ -23,6 +21,7 @@ from runtimes.webgpu.kernels.base import (
     Gpu,
     GpuTensor,
     Params,
+    Recording,
     UnsupportedOp,
     grid_1d,
 )
@@ -81,7 +80,7 @@ class StridedDispatch:
 
     def record(
         self,
-        compute_pass: wgpu.GPUComputePassEncoder,
+        recording: Recording,
         dims: Sequence[int],
         operands: Sequence[Operand],
         scalars: Sequence[tuple[float, str]] = (),
@@ -101,4 +100,4 @@ class StridedDispatch:
                 params.u32(7 * k + 7 + d, stride)
         for j, (value, wgsl) in enumerate(scalars):
             params.scalar(SCALARS + j, value, wgsl)
-        self.dispatch.record(compute_pass, params, (*grid_1d(-(-count // WORKGROUP)), 1))
+        self.dispatch.record(recording, params, (*grid_1d(-(-count // WORKGROUP)), 1))

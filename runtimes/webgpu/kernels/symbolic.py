@@ -6,9 +6,15 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import wgpu
-
-from runtimes.webgpu.kernels.base import Gpu, GpuOp, SymInt, UnsupportedOp, live, tensor_arg
+from runtimes.webgpu.kernels.base import (
+    Gpu,
+    GpuOp,
+    Recording,
+    SymInt,
+    UnsupportedOp,
+    live,
+    tensor_arg,
+)
 
 _ARITHMETIC: dict[str, Callable[[int, int], int]] = {
     "add": operator.add,
@@ -35,7 +41,7 @@ class SymbolOp(GpuOp):
         else:
             self.out.value = _ARITHMETIC[self.name](live(self.args[0]), live(self.args[1]))
 
-    def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
+    def encode(self, recording: Recording) -> None:
         return
 
 
