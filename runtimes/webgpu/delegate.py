@@ -40,6 +40,7 @@ from runtimes.webgpu.vulkan_payload import SymInt as VkSymInt
 # int64), bools are stored one per 32-bit word.
 _WGSL = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "i32"}
 _NUMPY = {"f32": np.float32, "i32": np.int32}
+_TORCH = {"f32": torch.float32, "i32": torch.int32}
 # Offsets into a mapped buffer must be multiples of 8; 256 keeps each output's copy aligned too.
 _MAP_ALIGNMENT = 256
 # Ops that only repack a constant for the native runtime's texture layouts; here the constant's
@@ -186,7 +187,9 @@ class DelegateGraph:
             _check_bound(position, target, given.shape)
             target.dims = list(given.shape)
             shapes.append(tuple(target.dims))
-            array = given.detach().cpu().contiguous().numpy().astype(_NUMPY[target.wgsl])
+            array = given.detach().contiguous().numpy()
+            if array.dtype != _NUMPY[target.wgsl]:
+                array = array.astype(_NUMPY[target.wgsl])
             self._upload(target, array)
         return tuple(shapes)
 
@@ -211,11 +214,12 @@ class DelegateGraph:
         value = self.values[value_id]
         if isinstance(value, SymInt):
             return value.value
-        array = np.zeros(value.dims, dtype=_NUMPY[value.wgsl])
-        if value.numel:
-            data = self.staging.read_mapped(self.staging_offsets[value_id], value.numel * 4)
-            array = np.frombuffer(data, dtype=array.dtype).reshape(value.dims)
-        return torch.from_numpy(array.copy())
+        dtype = _TORCH[value.wgsl]
+        if not value.numel:
+            return torch.zeros(value.dims, dtype=dtype)
+        # read_mapped copies the bytes out of the mapped range, which unmap gives back.
+        data = self.staging.read_mapped(self.staging_offsets[value_id], value.numel * 4)
+        return torch.frombuffer(data, dtype=dtype).reshape(value.dims)
 
 
 def _nbytes(value: VkTensor) -> int:

@@ -18,6 +18,11 @@ from typing import Any
 
 import wgpu
 
+# wgpu-native's C functions, which wgpu-py's pass methods wrap (wgpu is pinned below 0.33): a
+# replay calls them directly. wgpu-core checks a pass's commands when the pass ends, which the
+# caller does through wgpu-py, so its errors are still raised there.
+from wgpu.backends.wgpu_native._ffi import ffi, lib
+
 # The most dims any kernel indexes; lower-rank tensors are padded with leading 1s.
 MAX_RANK = 6
 # 48 u32 words of uniform parameters per dispatch (12 vec4, as uniform arrays need).
@@ -208,23 +213,26 @@ class Dispatch:
 
 
 class Recording:
-    """The dispatches of a delegate at one set of live shapes: each one's pipeline (None where
-    the previous dispatch's is the same), bind group and grid; and the parameters of them all,
-    as one upload per uniform buffer. Replaying it costs three wgpu calls per dispatch and no
-    Python work per op."""
+    """The dispatches of a delegate at one set of live shapes, and the parameters of them all as
+    one upload per uniform buffer. Replaying it costs three C calls per dispatch (set pipeline,
+    only where it changes; set bind group; dispatch) and no Python work per op."""
 
     def __init__(self) -> None:
-        self.commands: list[
-            tuple[wgpu.GPUComputePipeline | None, wgpu.GPUBindGroup, tuple[int, int, int]]
-        ] = []
+        # Per dispatch: its pipeline's handle (None where the previous dispatch's is the same),
+        # its bind group's handle and its grid.
+        self.commands: list[tuple[Any, Any, int, int, int]] = []
+        # Their wgpu-py objects, which own the handles.
+        self._owners: list[Dispatch] = []
         self._params: dict[wgpu.GPUBuffer, dict[int, bytes]] = {}
         self._last_pipeline: wgpu.GPUComputePipeline | None = None
 
     def add(self, dispatch: Dispatch, params: bytes, grid: Sequence[int]) -> None:
-        pipeline = None if dispatch.pipeline is self._last_pipeline else dispatch.pipeline
-        self._last_pipeline = dispatch.pipeline
+        pipeline = dispatch.pipeline
+        handle = None if pipeline is self._last_pipeline else pipeline._internal
+        self._last_pipeline = pipeline
         x, y, z = grid
-        self.commands.append((pipeline, dispatch.bind_group, (x, y, z)))
+        self.commands.append((handle, dispatch.bind_group._internal, x, y, z))
+        self._owners.append(dispatch)
         self._params.setdefault(dispatch.uniforms, {})[dispatch.offset] = params
 
     def uploads(self) -> list[tuple[wgpu.GPUBuffer, int, bytes]]:
@@ -241,14 +249,16 @@ class Recording:
         return uploads
 
     def encode(self, compute_pass: wgpu.GPUComputePassEncoder) -> None:
-        set_pipeline = compute_pass.set_pipeline
-        set_bind_group = compute_pass.set_bind_group
-        dispatch = compute_pass.dispatch_workgroups
-        for pipeline, bind_group, (x, y, z) in self.commands:
+        encoder = compute_pass._internal
+        set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+        set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+        no_offsets = ffi.NULL
+        for pipeline, bind_group, x, y, z in self.commands:
             if pipeline is not None:
-                set_pipeline(pipeline)
-            set_bind_group(0, bind_group)
-            dispatch(x, y, z)
+                set_pipeline(encoder, pipeline)
+            set_bind_group(encoder, 0, bind_group, 0, no_offsets)
+            dispatch(encoder, x, y, z)
 
 
 class GpuOp:
