@@ -23,7 +23,15 @@ import torch
 import wgpu
 
 from runtimes.webgpu import kernels, memory_plan
-from runtimes.webgpu.kernels.base import Gpu, GpuOp, GpuTensor, Recording, SymInt, UnsupportedOp
+from runtimes.webgpu.kernels.base import (
+    Gpu,
+    GpuOp,
+    GpuTensor,
+    Recording,
+    SymInt,
+    UnsupportedOp,
+    copy_buffers,
+)
 from runtimes.webgpu.kernels.layout import Reinterpret
 from runtimes.webgpu.vulkan_payload import (
     NAMED_DATA_OFFSET,
@@ -40,7 +48,6 @@ from runtimes.webgpu.vulkan_payload import SymInt as VkSymInt
 # int64), bools are stored one per 32-bit word.
 _WGSL = {"float32": "f32", "int32": "i32", "int64": "i32", "bool": "i32"}
 _NUMPY = {"f32": np.float32, "i32": np.int32}
-_TORCH = {"f32": torch.float32, "i32": torch.int32}
 # Offsets into a mapped buffer must be multiples of 8; 256 keeps each output's copy aligned too.
 _MAP_ALIGNMENT = 256
 # Ops that only repack a constant for the native runtime's texture layouts; here the constant's
@@ -52,13 +59,16 @@ RECORDINGS_KEPT = 64
 
 @dataclass
 class ShapeRecording:
-    """What an execute at one set of live shapes does: its dispatches, the parameter uploads,
-    the output copies to staging (source buffer, staging offset, bytes), and the outputs' live
-    dims (a tensor's) or values (a symbolic int's)."""
+    """What an execute at one set of live shapes does: its dispatches and their parameter
+    uploads; the copies of the live inputs from the inbox to their buffers and of the outputs
+    to staging (copy_buffers' tuples); how many bytes of staging the outputs fill; and the
+    outputs' live dims (a tensor's) or values (a symbolic int's)."""
 
     recording: Recording
     uploads: list[tuple[wgpu.GPUBuffer, int, bytes]]
-    copies: list[tuple[wgpu.GPUBuffer, int, int]]
+    copies_in: list[tuple[Any, ...]]
+    copies_out: list[tuple[Any, ...]]
+    staged: int
     outputs: list[tuple[Any, list[int] | int]]
 
 
@@ -81,6 +91,14 @@ class DelegateGraph:
         ]
         self.input_ids = graph.input_ids
         self.output_ids = graph.output_ids
+        # Where the live inputs are written, packed, in one upload per execute; the command
+        # buffer copies each to its own buffer.
+        inputs = [self.values[v] for v in self.input_ids]
+        inbox_size = sum(math.prod(t.max_dims) * 4 for t in inputs if isinstance(t, GpuTensor))
+        self.inbox = gpu.device.create_buffer(
+            size=max(4, inbox_size),
+            usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
+        )
         # Where outputs are copied to be read on the host: one mappable buffer for all of
         # them, each at its own offset, sized at its upper bound like the tensor itself; one
         # map per execute.
@@ -141,7 +159,7 @@ class DelegateGraph:
             self.gpu.device.queue.write_buffer(tensor.buffer, 0, np.ascontiguousarray(array))
 
     def execute(self, inputs: Sequence[torch.Tensor | int]) -> list[torch.Tensor | int]:
-        shapes = self._write_inputs(inputs)
+        shapes, arrays = self._live_inputs(inputs)
         recorded = self.recordings.get(shapes)
         if recorded is None:
             recorded = self._record()
@@ -160,24 +178,31 @@ class DelegateGraph:
             for buffer, offset, data in recorded.uploads:
                 queue.write_buffer(buffer, offset, data)
             self.uploaded = recorded
+        packed = b"".join(arrays)
+        if packed:
+            queue.write_buffer(self.inbox, 0, packed)
         encoder = self.gpu.device.create_command_encoder()
+        copy_buffers(encoder, recorded.copies_in)
         compute_pass = encoder.begin_compute_pass()
         recorded.recording.encode(compute_pass)
         compute_pass.end()
-        for buffer, offset, nbytes in recorded.copies:
-            encoder.copy_buffer_to_buffer(buffer, 0, self.staging, offset, nbytes)
+        copy_buffers(encoder, recorded.copies_out)
         queue.submit([encoder.finish()])
         # Mapping waits for the submitted work: the outputs are final once it returns.
         self.staging.map_sync(wgpu.MapMode.READ)
         try:
-            return [self._read(value_id) for value_id in self.output_ids]
+            staged = self.staging.read_mapped(0, recorded.staged, copy=False)
+            return [self._read(value_id, staged) for value_id in self.output_ids]
         finally:
             self.staging.unmap()
 
-    def _write_inputs(self, inputs: Sequence[torch.Tensor | int]) -> tuple[Any, ...]:
-        """Writes the live inputs to their buffers; returns their live shapes and ints, which
-        decide every op's live shapes and parameters."""
+    def _live_inputs(
+        self, inputs: Sequence[torch.Tensor | int]
+    ) -> tuple[tuple[Any, ...], list[np.ndarray]]:
+        """Sets the live dims and ints of the delegate's inputs; returns them, which decide every
+        op's live shapes and parameters, and the tensors' data in GPU element types."""
         shapes: list[Any] = []
+        arrays = []
         for position, (value_id, given) in enumerate(zip(self.input_ids, inputs, strict=True)):
             target = self.values[value_id]
             if isinstance(target, SymInt):
@@ -190,8 +215,8 @@ class DelegateGraph:
             array = given.detach().contiguous().numpy()
             if array.dtype != _NUMPY[target.wgsl]:
                 array = array.astype(_NUMPY[target.wgsl])
-            self._upload(target, array)
-        return tuple(shapes)
+            arrays.append(array)
+        return tuple(shapes), arrays
 
     def _record(self) -> ShapeRecording:
         for op in self.ops:
@@ -199,27 +224,43 @@ class DelegateGraph:
         recording = Recording()
         for op in self.ops:
             op.encode(recording)
-        copies = []
+        copies_in = []
+        offset = 0
+        for value_id in self.input_ids:
+            tensor = self.values[value_id]
+            if isinstance(tensor, GpuTensor) and tensor.numel:
+                nbytes = tensor.numel * 4
+                copies_in.append((self.inbox._internal, offset, tensor.buffer._internal, 0, nbytes))
+                offset += nbytes
+        copies_out = []
+        staged = 0
         for value_id, offset in self.staging_offsets.items():
             tensor = self.values[value_id]
             if tensor.numel:
-                copies.append((tensor.buffer, offset, tensor.numel * 4))
+                nbytes = tensor.numel * 4
+                copies_out.append(
+                    (tensor.buffer._internal, 0, self.staging._internal, offset, nbytes)
+                )
+                staged = offset + nbytes
         outputs = []
         for value_id in self.output_ids:
             value = self.values[value_id]
             outputs.append((value, value.value if isinstance(value, SymInt) else list(value.dims)))
-        return ShapeRecording(recording, recording.uploads(), copies, outputs)
+        return ShapeRecording(
+            recording, recording.uploads(), copies_in, copies_out, staged, outputs
+        )
 
-    def _read(self, value_id: int) -> torch.Tensor | int:
+    def _read(self, value_id: int, staged: memoryview) -> torch.Tensor | int:
+        """An output, copied out of `staged`, the mapped staging buffer."""
         value = self.values[value_id]
         if isinstance(value, SymInt):
             return value.value
-        dtype = _TORCH[value.wgsl]
+        dtype = _NUMPY[value.wgsl]
         if not value.numel:
-            return torch.zeros(value.dims, dtype=dtype)
-        # read_mapped copies the bytes out of the mapped range, which unmap gives back.
-        data = self.staging.read_mapped(self.staging_offsets[value_id], value.numel * 4)
-        return torch.frombuffer(data, dtype=dtype).reshape(value.dims)
+            return torch.from_numpy(np.zeros(value.dims, dtype=dtype))
+        offset = self.staging_offsets[value_id]
+        array = np.frombuffer(staged, dtype=dtype, count=value.numel, offset=offset)
+        return torch.from_numpy(array.reshape(value.dims).copy())
 
 
 def _nbytes(value: VkTensor) -> int:

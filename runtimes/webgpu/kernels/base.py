@@ -261,6 +261,15 @@ class Recording:
             dispatch(encoder, x, y, z)
 
 
+def copy_buffers(encoder: wgpu.GPUCommandEncoder, copies: Sequence[tuple[Any, ...]]) -> None:
+    """Records buffer-to-buffer copies, each (source handle, offset, destination handle,
+    offset, bytes) of buffers' `_internal`; wgpu-core checks them when the encoder finishes."""
+    handle = encoder._internal
+    copy = lib.wgpuCommandEncoderCopyBufferToBuffer
+    for source, source_offset, destination, destination_offset, nbytes in copies:
+        copy(handle, source, source_offset, destination, destination_offset, nbytes)
+
+
 class GpuOp:
     """A delegated op. Subclasses set `outputs` in __init__, and implement resize and encode."""
 
