@@ -21,8 +21,8 @@ from exporter.errors import ConfigError
 from exporter.models import ModelBundle
 from exporter.validate import goldens
 from exporter.validate.plan import plan
-from runtimes.webgpu import adapter
-from runtimes.webgpu.kernels.base import UnsupportedOp
+from runtimes.webgpu import adapter, memory_plan
+from runtimes.webgpu.kernels.base import Gpu, GpuTensor, UnsupportedOp
 from runtimes.webgpu.kernels.reduction import Reduction
 from runtimes.webgpu.program import InputOutOfBounds, WebgpuProgram
 from tests.conftest import CONF_DIR, SweepResult, run_sweep
@@ -63,6 +63,70 @@ def test_one_loaded_program_follows_shrinking_and_growing_shapes(
         want = eager(bundle, inputs)
         assert got.shape == want.shape == (1, seq, 64)
         assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelBundle, Artifact]:
+    return lowered(tmp_path_factory.mktemp("attention"), "model=gqa_attention")
+
+
+def test_each_set_of_live_shapes_is_recorded_once_and_replayed_with_its_own_parameters(
+    attention: tuple[ModelBundle, Artifact],
+) -> None:
+    bundle, artifact = attention
+    program = WebgpuProgram(artifact.path, "cpu")
+    first: dict[int, torch.Tensor] = {}
+    for seq in (128, 1, 77, 1, 128, 77):
+        inputs = bundle.make_inputs({"seq": seq}, seq)
+        (got,) = program.run(inputs)
+        # The softmax spans the live keys: another shape's parameters would give other rows.
+        assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
+        assert torch.equal(got, first.setdefault(seq, got))
+    # Three delegates around the CPU's ops, each recorded at the three sequence lengths.
+    assert [len(delegate.recordings) for delegate in program.delegates] == [3, 3, 3]
+
+
+def test_run_is_download_of_execute_of_upload_timed_by_the_host(
+    rms_norm: tuple[ModelBundle, Artifact],
+) -> None:
+    bundle, artifact = rms_norm
+    program = WebgpuProgram(artifact.path, "cpu")
+    assert program.clock == "cpu"
+    inputs = bundle.make_inputs({"seq": 33}, 3)
+    (stepped,) = program.download(program.execute(program.upload(inputs)))
+    (ran,) = program.run(inputs)
+    assert torch.equal(stepped, ran)
+    assert (stepped - eager(bundle, inputs)).abs().max().item() < 1e-5
+    with pytest.raises(InputOutOfBounds, match=r"dim 1 is 129"):
+        program.upload(bundle.make_inputs({"seq": 129}, 0))
+
+
+def test_a_view_shares_its_inputs_buffer_which_no_tensor_takes_while_the_view_lives() -> None:
+    gpu = Gpu(adapter.choose("cpu").request_device_sync())
+
+    def tensor(dims: tuple[int, ...], dtype: str = "float32") -> GpuTensor:
+        return GpuTensor("f32" if dtype == "float32" else "i32", dtype, dims, None)
+
+    a, x, c, e, d = (tensor((4,)) for _ in range(5))
+    b = tensor((2, 2))
+    mask = tensor((4,), "bool")
+    calls = [
+        ("aten.view_copy.default", [a, [2, 2], b]),
+        # Memory planning could give c the view's input slot: a is not read after the view.
+        ("aten.neg.default", [x, c]),
+        ("aten.add.Tensor", [b, c, None, e]),
+        ("aten.neg.default", [e, d]),
+        # A bool of floats is a conversion, so it gets a buffer of its own.
+        ("aten._to_copy.default", [d, mask]),
+    ]
+    aliased = memory_plan.plan(gpu, calls, [a, x, b, c, e, d, mask], [d, mask])
+    assert aliased == {0}
+    assert b.buffer is a.buffer
+    assert c.buffer not in (a.buffer, x.buffer)
+    # Buffers come back once every tensor in them was read for the last time.
+    assert e.buffer is x.buffer
+    assert d.buffer in (a.buffer, c.buffer)
+    assert mask.buffer not in (d.buffer, e.buffer)
 
 
 def test_with_one_resize_rule_disabled_validation_fails_below_the_bound_only(
