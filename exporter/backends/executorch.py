@@ -1,14 +1,15 @@
 """ExecuTorch with the XNNPACK delegate: exported program -> edge dialect -> partitioned -> .pte,
 run by ExecuTorch's runtime on the CPU.
 
-The fallback policy maps onto XNNPACK's partitioner (exporter/lowering/xnnpack_partitioner.py).
+The program is first rewritten into ops XNNPACK takes (exporter/lowering/xnnpack_rewrites.py);
+the fallback policy maps onto XNNPACK's partitioner (exporter/lowering/xnnpack_partitioner.py).
 `external_weights` puts the weights into model.ptd beside model.pte
 (exporter/lowering/executorch_program.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,15 @@ def lower(
 ) -> Artifact:
     from exporter.lowering.executorch_program import announced_policy, lowered_to_pte
     from exporter.lowering.xnnpack_partitioner import PolicyPartitioner
+    from exporter.lowering.xnnpack_rewrites import ViewsForXnnpack, for_xnnpack
 
     partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
-    return lowered_to_pte(exported, partitioner, partitioner.why_on_cpu, output(backend), out_dir)
+    rewritten = replace(exported, program=for_xnnpack(exported.program))
+    return lowered_to_pte(
+        rewritten,
+        partitioner,
+        partitioner.why_on_cpu,
+        output(backend),
+        out_dir,
+        edge_passes=[ViewsForXnnpack()],
+    )

@@ -37,10 +37,12 @@ def lowered_to_pte(
     why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
     target: Output,
     out_dir: Path,
+    edge_passes: Sequence[Callable[[torch.fx.GraphModule], Any]] = (),
 ) -> Artifact:
     """Lowers with `partitioner` (its `listening()` context open) and writes the .pte, and with
     `target.data_file` the weights into that file beside it; the partition report places every
-    node, with `why_on_cpu` for the nodes left out."""
+    node, with `why_on_cpu` for the nodes left out. `edge_passes` rewrite the edge program
+    before it is partitioned."""
     try:
         data_file = target.data_file
         # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
@@ -48,7 +50,7 @@ def lowered_to_pte(
         with partitioner.listening():
             edge = to_edge_transform_and_lower(
                 exported.program,
-                transform_passes=[TagDelegateConstants(tag)] if tag else None,
+                transform_passes=[*edge_passes, *([TagDelegateConstants(tag)] if tag else [])],
                 partitioner=[partitioner],
             )
         partition = summarize(edge.exported_program().graph_module, why_on_cpu)
