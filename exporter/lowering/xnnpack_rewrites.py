@@ -24,6 +24,7 @@ apply to float32 and float16, the dtypes XNNPACK computes in.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,6 +74,14 @@ def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
     users = [i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT]
     at = users[0] if users else len(specs)
     signature.input_specs = [*specs[:at], *rewriter.added_specs, *specs[at:]]
+    # An output that a rewrite replaced is known by its replacement's name.
+    (returned,) = graph.output_node().args
+    signature.output_specs = [
+        dataclasses.replace(spec, arg=TensorArgument(node.name))
+        if isinstance(spec.arg, TensorArgument)
+        else spec
+        for spec, node in zip(program.graph_signature.output_specs, returned, strict=True)
+    ]
     return ExportedProgram(
         root=program.graph_module,
         graph=graph,
