@@ -241,7 +241,7 @@ class _Rewriter:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 try:
                     env[node] = node.target(*args, **kwargs)
-                except (RuntimeError, TypeError, ValueError, IndexError):
+                except Exception:  # a mask not computable on its own is not rewritten
                     return None
         result = env[target]
         return result if isinstance(result, torch.Tensor) else None
