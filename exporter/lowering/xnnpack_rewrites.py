@@ -86,11 +86,11 @@ def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
         root=program.graph_module,
         graph=graph,
         graph_signature=signature,
-        state_dict=program.state_dict,
+        state_dict={**program.state_dict, **rewriter.added_buffers},
         range_constraints=program.range_constraints,
         module_call_graph=program.module_call_graph,
         example_inputs=program.example_inputs,
-        constants={**program.constants, **rewriter.added_constants},
+        constants=program.constants,
         verifiers=[program.verifier],
     )
 
@@ -110,9 +110,10 @@ class _Rewriter:
                 self.constants[spec.arg.name] = program.constants[spec.target]
         # Additive masks already built, by the boolean mask they replace.
         self.additive_masks: dict[torch.fx.Node, torch.fx.Node] = {}
-        # Constants the rewrites add (lifted, as export lifts a model's tensor constants).
+        # Weights the rewrites add, as buffers: ExecuTorch copies a buffer that several delegates
+        # take for each of them, but fails to rebuild a lifted tensor constant taken so.
         self.added_specs: list[InputSpec] = []
-        self.added_constants: dict[str, torch.Tensor] = {}
+        self.added_buffers: dict[str, torch.Tensor] = {}
         self.rotation_weights: dict[tuple[int, torch.dtype], torch.fx.Node] = {}
 
     # scaled_dot_product_attention and its causal mask
@@ -325,9 +326,9 @@ class _Rewriter:
         fake_mode = _Inserting(self.graph, first_input).fake_mode
         placeholder.meta["val"] = fake_mode.from_tensor(weight, static_shapes=True)
         self.added_specs.append(
-            InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name), target=name)
+            InputSpec(InputKind.BUFFER, TensorArgument(name), target=name, persistent=True)
         )
-        self.added_constants[name] = weight
+        self.added_buffers[name] = weight
         self.rotation_weights[(size, dtype)] = placeholder
         return placeholder
 
