@@ -71,7 +71,7 @@ def test_llama_lowers_into_one_xnnpack_delegate_and_validates(llama, tmp_path: P
         "aten.unsqueeze_copy.default",
         "dim_order_ops._to_dim_order_copy.default",
     }
-    assert partition.delegated_fraction > 0.95
+    assert partition.delegated_fraction > 0.9
     program = executorch_runtime.load(artifact.path, "cpu")
     for seq in (1, 7, 24):
         (tokens,) = bundle.make_inputs({"seq": seq}, seq)
