@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, tracking_server
+from exporter import config, interrupts, memory, tracking_server
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
@@ -107,6 +107,7 @@ def _work(events_fd: int) -> None:
     # Python's warnings (torch.export's among them) go to the job's log, not to stderr alone.
     logging.captureWarnings(True)
     interrupts.defer()
+    memory.collect_less_often()
     from exporter import pipeline
 
     with os.fdopen(events_fd, "w", buffering=1) as events:
