@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, tracking_server
+from exporter import config, interrupts, memory, tracking_server
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 
 # Signals that stop a job: forwarded to the worker, and the job ends KILLED.
 _STOPS = (signal.SIGINT, signal.SIGTERM)
+# OpenMP's threads (torch's intra-op pool) spin while they wait for work by default. On cores
+# that other processes use too (a parallel sweep's other jobs, anyone's work on a shared
+# machine) the spinning takes the time slices the work needs: on a shared 2-core machine eager
+# tiny Llama took 24 ms at seq 1 (0.5 ms with waits that sleep) and the goldens 1.1-1.7 s
+# (0.1 s). A user's own setting wins.
+_THREAD_WAITS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -85,7 +91,7 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
             # Its own process group: a terminal's Ctrl-C reaches it once, through this process.
             process_group=0,
             # This process's exporter, whatever the worker's cwd and installed copies.
-            env={**os.environ, "PYTHONPATH": _python_path()},
+            env={**_THREAD_WAITS, **os.environ, "PYTHONPATH": _python_path()},
         )
         stops.forward_to(worker)
         os.close(write_end)
@@ -107,6 +113,7 @@ def _work(events_fd: int) -> None:
     # Python's warnings (torch.export's among them) go to the job's log, not to stderr alone.
     logging.captureWarnings(True)
     interrupts.defer()
+    memory.collect_less_often()
     from exporter import pipeline
 
     with os.fdopen(events_fd, "w", buffering=1) as events:

@@ -39,6 +39,8 @@ REPORT_FILE = "report.json"
 def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     run_dir = record.run_dir
     cache = Cache(Path(job.cache_dir)) if job.cache else None
+    # The libraries are imported and the MLflow run is open: they last as long as the job.
+    memory.spare_survivors()
     with stage(record, "model", notify):
         bundle = models.build(job.model, job.dynamic)
         record.weight_bytes = models.weight_bytes(bundle.module)
@@ -59,6 +61,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             expected = _goldens(cache, record, job, bundle, model_material, shapes)
     del bundle
     memory.release_freed()
+    memory.spare_survivors()
     if job.artifact:
         artifact = backends.adopt(Path(job.artifact), job)
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
@@ -69,6 +72,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             artifact = _lower(cache, record, job, exported, export_material)
         del exported
         memory.release_freed()
+        memory.spare_survivors()
     record.artifact = artifact
     if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
