@@ -4,7 +4,8 @@ Separate from validation, which runs each shape once or twice to judge its numbe
 shape is warmed up, then timed many times, and summarized by its median and spread. Eager runs
 the exported program at the model's dtype on the same kind of device, timed the same way with
 the same CPU threads, so `speedup_vs_eager` says whether lowering paid off at that shape. The
-two are loaded together and take turns run by run, so a machine that slows down slows both.
+two are loaded together and take turns (exporter/benchmark/timing.py), so a machine that slows
+down slows both.
 """
 
 from __future__ import annotations

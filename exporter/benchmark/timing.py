@@ -16,6 +16,11 @@ from runtimes import Loaded
 
 # What times a runtime that offers only `run`: the host's clock around all of it.
 WHOLE_RUN = "host, copies included"
+# Timed runs a contender takes in a row on its turn, after one untimed run. A runtime's worker
+# threads spin a moment after its run ends (XNNPACK's pool), and the first run after a switch
+# pays for them: eager timed right after a .pte ran was 12 to 27% slower than eager alone, and
+# 3% slower once one run had gone before it.
+_TURN = 5
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,11 @@ def measure(
     repeats: int,
     seconds: float,
 ) -> list[Timing]:
-    """Times each of `contenders` on `inputs`, taking turns run by run, so that a machine that
-    slows down for a moment slows each of them alike: `warmup` rounds untimed, then timed rounds
-    until `repeats` or `seconds` per contender (counted from the first warm-up) have passed; at
-    least one round of each kind. Python's garbage collector is off meanwhile: a collection
-    would land in one sample."""
+    """Times each of `contenders` on `inputs`, taking turns, so that a machine that slows down
+    for a moment slows each of them alike: `warmup` untimed runs each, then turns of up to
+    `_TURN` timed runs each, until `repeats` runs or `seconds` per contender (counted from the
+    first warm-up) have passed; at least one run of each kind. Python's garbage collector is
+    off meanwhile: a collection would land in one sample."""
     rounds = [
         _timed_steps(contender, inputs)
         if hasattr(contender, "execute")
@@ -80,15 +85,20 @@ def measure(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(max(warmup, 1)):
-            for run_once in rounds:
+        for run_once in rounds:
+            for _ in range(max(warmup, 1)):
                 run_once()
-            if time.perf_counter() > deadline:
-                break
+                if time.perf_counter() > deadline:
+                    break
         samples: list[list[_Sample]] = [[] for _ in contenders]
         while not samples[0] or (len(samples[0]) < repeats and time.perf_counter() <= deadline):
+            # Past the deadline only for the first turn, which then times one run.
+            turn = min(_TURN, repeats - len(samples[0])) if time.perf_counter() <= deadline else 1
             for run_once, taken in zip(rounds, samples, strict=True):
-                taken.append(run_once())
+                if len(rounds) > 1:
+                    # The switch: this run pays for the threads the other left spinning.
+                    run_once()
+                taken.extend(run_once() for _ in range(turn))
     finally:
         if collecting:
             gc.enable()
