@@ -136,3 +136,14 @@ def test_rotate_half_becomes_a_linear_layer_with_the_same_values() -> None:
     assert calls(result, torch.ops.aten.linear.default) == 1
     x = torch.randn(1, 3, 40, 16)
     assert torch.equal(result.module()(x), RotateHalf()(x))
+
+
+def test_an_input_named_after_a_python_builtin_keeps_its_place_in_the_signature() -> None:
+    class Scaled(torch.nn.Module):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return input * 2
+
+    program = torch.export.export(Scaled(), (torch.randn(3, 4),))
+    rewritten = for_xnnpack(program)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(rewritten.module()(x), x * 2)

@@ -56,8 +56,12 @@ _PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", 
 def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
     """A copy of `program` (its weights shared) with the rewrites above applied."""
     graph = torch.fx.Graph()
-    outputs = graph.graph_copy(program.graph, {})
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    outputs = graph.graph_copy(program.graph, copies)
     graph.output(outputs)
+    # The copy may rename a placeholder (an input named `input` becomes `input_1`: fx keeps
+    # Python's builtins free); the signature must follow.
+    renamed = {old.name: new.name for old, new in copies.items() if old.name != new.name}
     # ExecuTorch drops export's dtype assertions; dropped first, they keep no mask alive.
     for node in list(graph.nodes):
         if node.target == aten._assert_tensor_metadata.default:
@@ -70,7 +74,12 @@ def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
     rewriter.aliases()
     graph.eliminate_dead_code()
     signature = copy.copy(program.graph_signature)
-    specs = program.graph_signature.input_specs
+    specs = [
+        dataclasses.replace(spec, arg=dataclasses.replace(spec.arg, name=renamed[spec.arg.name]))
+        if getattr(spec.arg, "name", None) in renamed
+        else spec
+        for spec in program.graph_signature.input_specs
+    ]
     users = [i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT]
     at = users[0] if users else len(specs)
     signature.input_specs = [*specs[:at], *rewriter.added_specs, *specs[at:]]
