@@ -33,6 +33,8 @@ fn powf(x: f32, e: f32) -> f32 {
 }
 """
 
+_F32_MAX = 3.4028234663852886e38
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -81,6 +83,11 @@ RULES: dict[str, Rule] = {
     "aten.add.Scalar": Rule("out", "{a} + {s0} * {s1}", (0,), ((1, 0), (2, 1))),
     "aten.sub.Scalar": Rule("out", "{a} - {s0} * {s1}", (0,), ((1, 0), (2, 1))),
     "aten.mul.Scalar": Rule("out", "{a} * {s0}", (0,), ((1, 1),)),
+    # torch's clamp is min(max(x, low), high), whichever bound is greater; a bound left None
+    # is the float's end.
+    "aten.clamp.default": Rule(
+        "f32", "min(max({a}, {s0}), {s1})", (0,), ((1, -_F32_MAX), (2, _F32_MAX))
+    ),
     "aten.div.Scalar": Rule("f32", "{a} / {s0}", (0,), ((1, 1),)),
     "aten.pow.Tensor_Scalar": Rule("f32", "powf({a}, {s0})", (0,), ((1, 1),)),
     "aten.logical_and.default": _binary("({a} != 0) && ({b} != 0)", compute="inputs", boolean=True),
