@@ -8,7 +8,7 @@ ExecuTorch is imported by `lower` only: a target that validates a .pte built els
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -38,6 +38,11 @@ class WebgpuConfig(BackendConfig):
 SCHEMA = WebgpuConfig
 RUNTIME = "webgpu"
 DELEGATE = "VulkanBackend"
+# The rewrites of exporter/lowering/xnnpack_rewrites.py that keep more of a transformers model
+# on the GPU: the causal mask built from positions, attention as bmm and softmax (SDPA's
+# decomposition and the boolean mask stay on the CPU otherwise) and rotate_half as a linear.
+# Not the expands (their cats of 5-D tensors stay on the CPU) nor the means (no 4-D mean here).
+WEBGPU_REWRITES = ("attention", "rotations", "aliases")
 
 
 def check(backend: WebgpuConfig, fallback: FallbackConfig) -> None:
@@ -70,6 +75,14 @@ def lower(
 ) -> Artifact:
     from exporter.lowering.executorch_program import announced_policy, lowered_to_pte
     from exporter.lowering.webgpu_partitioner import PolicyPartitioner
+    from exporter.lowering.xnnpack_rewrites import rewritten
 
     partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
-    return lowered_to_pte(exported, partitioner, partitioner.why_on_cpu, output(backend), out_dir)
+    program = rewritten(exported.program, WEBGPU_REWRITES)
+    return lowered_to_pte(
+        replace(exported, program=program),
+        partitioner,
+        partitioner.why_on_cpu,
+        output(backend),
+        out_dir,
+    )

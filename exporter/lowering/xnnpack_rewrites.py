@@ -17,7 +17,9 @@ whole. Rewritten here, before ExecuTorch decomposes the program:
 
 A graph pass of the lowering rather than a change to the model: the program saved as
 program.pt2 stays the model's own (eager runs it), and any transformers architecture whose
-traced ops match gains, not only Llama. The rewrites that change arithmetic (attention, mean)
+traced ops match gains, not only Llama. `for_xnnpack` applies them all; `rewritten` the ones a
+backend names (backend=webgpu's partitioner gains from the mask, attention and rotate_half
+rewrites too). The rewrites that change arithmetic (attention, mean)
 apply to float32 and float16, the dtypes XNNPACK computes in.
 """
 
@@ -53,8 +55,22 @@ _EDGE_CAT = exir_ops.edge.aten.cat.default
 _PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node")
 
 
+# The rewrites by name, in the order they apply: attention first, as it drops the boolean mask
+# whose ops the others would otherwise see.
+REWRITES = ("attention", "rotations", "expands", "means", "aliases")
+
+
 def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
     """A copy of `program` (its weights shared) with the rewrites above applied."""
+    return rewritten(program, REWRITES)
+
+
+def rewritten(program: ExportedProgram, rewrites: tuple[str, ...]) -> ExportedProgram:
+    """A copy of `program` (its weights shared) with the named rewrites of REWRITES applied:
+    another backend takes the ones its partitioner and kernels gain from."""
+    unknown = set(rewrites) - set(REWRITES)
+    if unknown:
+        raise ValueError(f"no rewrite named {sorted(unknown)}; the rewrites are {REWRITES}")
     graph = torch.fx.Graph()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     outputs = graph.graph_copy(program.graph, copies)
@@ -67,11 +83,9 @@ def for_xnnpack(program: ExportedProgram) -> ExportedProgram:
         if node.target == aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     rewriter = _Rewriter(program, graph)
-    rewriter.attention()
-    rewriter.rotations()
-    rewriter.expands()
-    rewriter.means()
-    rewriter.aliases()
+    for name in REWRITES:
+        if name in rewrites:
+            getattr(rewriter, name)()
     graph.eliminate_dead_code()
     signature = copy.copy(program.graph_signature)
     specs = [
