@@ -209,6 +209,17 @@ def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(tmp_path:
     assert len(delegate.recordings) == 3
 
 
+def test_a_program_whose_input_is_named_input_is_rewritten_and_lowered(tmp_path: Path) -> None:
+    # Copying the graph for the rewrites renames a placeholder named after a Python builtin.
+    bundle, artifact = lowered(tmp_path, "model=linear")
+    assert artifact.partition is not None
+    assert artifact.partition.delegates == 1
+    program = WebgpuProgram(artifact.path, "cpu")
+    inputs = bundle.make_inputs({"m": 9}, 2)
+    (got,) = program.run(inputs)
+    assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
+
+
 def test_a_block_under_min_block_size_stays_on_the_cpu_whole(tmp_path: Path) -> None:
     bundle, artifact = lowered(tmp_path, "model=rms_norm_residual", "fallback.min_block_size=8")
     assert artifact.partition is not None
