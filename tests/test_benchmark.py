@@ -36,6 +36,42 @@ def test_the_time_budget_stops_the_runs_after_at_least_one(program: Path) -> Non
     assert timed.median_ms == timed.p10_ms == timed.p90_ms == timed.min_ms
 
 
+class Counted:
+    """A loaded runtime that counts its computations."""
+
+    def __init__(self, loaded: object) -> None:
+        self.loaded = loaded
+        self.clock = loaded.clock
+        self.executions = 0
+
+    def upload(self, inputs: list[torch.Tensor]) -> object:
+        return self.loaded.upload(inputs)
+
+    def execute(self, resident: object) -> object:
+        self.executions += 1
+        return self.loaded.execute(resident)
+
+    def download(self, produced: object) -> tuple[torch.Tensor, ...]:
+        return self.loaded.download(produced)
+
+
+def test_runs_longer_than_the_budget_take_one_warm_up_and_one_timed_run_each(
+    program: Path,
+) -> None:
+    contenders = [Counted(load(program, "eager", "cpu")) for _ in range(2)]
+    timed = timing.measure(contenders, [torch.randn(4, 32)], 5, repeats=50, seconds=1e-9)
+    assert [len(t.samples_ms) for t in timed] == [1, 1]
+    assert [c.executions for c in contenders] == [2, 2]
+
+
+def test_turns_switch_with_one_untimed_run_then_time_up_to_five(program: Path) -> None:
+    contenders = [Counted(load(program, "eager", "cpu")) for _ in range(2)]
+    timed = timing.measure(contenders, [torch.randn(4, 32)], 2, repeats=7, seconds=60)
+    # 2 warm-up runs, then turns of 5 and 2 timed runs, each after one untimed run.
+    assert [len(t.samples_ms) for t in timed] == [7, 7]
+    assert [c.executions for c in contenders] == [2 + 1 + 5 + 1 + 2] * 2
+
+
 def test_percentiles_interpolate_between_ranks() -> None:
     samples = tuple(float(x) for x in range(1, 12))
     timed = timing.Timing("cpu", samples, None, None)

@@ -92,10 +92,13 @@ def measure(
                     break
         samples: list[list[_Sample]] = [[] for _ in contenders]
         while not samples[0] or (len(samples[0]) < repeats and time.perf_counter() <= deadline):
-            # Past the deadline only for the first turn, which then times one run.
-            turn = min(_TURN, repeats - len(samples[0])) if time.perf_counter() <= deadline else 1
+            # Past the deadline only for the first turn of runs that each outlast the budget
+            # (a 1B model on the CPU): one timed run each, and no switch, whose threads' spin
+            # is nothing beside such a run.
+            within = time.perf_counter() <= deadline
+            turn = min(_TURN, repeats - len(samples[0])) if within else 1
             for run_once, taken in zip(rounds, samples, strict=True):
-                if len(rounds) > 1:
+                if len(rounds) > 1 and within:
                     # The switch: this run pays for the threads the other left spinning.
                     run_once()
                 taken.extend(run_once() for _ in range(turn))
