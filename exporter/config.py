@@ -325,13 +325,15 @@ class BenchmarkConfig:
     PyTorch (the exported program at the model's dtype, on the same device) each run `warmup`
     times untimed, then are timed until `repeats` runs or `seconds` have passed, whichever comes
     first (at least one warm-up and one timed run). Both compute with `threads` CPU threads
-    (null: every core the job may use)."""
+    (null: every core the job may use). One by default, as torch.utils.benchmark's Timer: on
+    this 2-core machine the default Llama's 2-thread medians moved by up to 111% between two
+    runs (some runs wait for a sleeping worker thread, some do not), 1-thread ones by 3%."""
 
     enabled: bool = MISSING
     warmup: int = 5
     repeats: int = 50
     seconds: float = 1.0
-    threads: int | None = None
+    threads: int | None = 1
 
     def __post_init__(self) -> None:
         for key, value, least in (("warmup", self.warmup, 0), ("repeats", self.repeats, 1)):
