@@ -11,7 +11,6 @@ down slows both.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -163,4 +162,4 @@ def run(
 
 
 def _speedup(value: float | None) -> str:
-    return "" if value is None or math.isnan(value) else f"{value:.2f}x"
+    return "" if value is None else f"{value:.2f}x"
