@@ -286,6 +286,17 @@ class ValidationRule(Enum):
     absolute = "absolute"
 
 
+class LocalizeMode(Enum):
+    """When the job searches for the first op of the exported program that diverges
+    (exporter/localize/): `auto` when validation fails, `always` on a passing job too (at its
+    worst shape, where nothing diverges beyond the rule: it then costs one lowering, and says
+    so), `off` never. The search lowers parts of the program again: a few lowerings' time."""
+
+    auto = "auto"
+    always = "always"
+    off = "off"
+
+
 # The reference rule's factor per model dtype when `validate.factor` is not set. In float32 the
 # error is a few ulps, and an artifact that sums in another order (XNNPACK's blocking, against
 # eager's) was measured at up to 3.7 times eager's (a tiny Gemma); any real mistake is hundreds
@@ -317,6 +328,7 @@ class ValidateConfig:
     extra_shapes: list[int] = field(default_factory=list)
     random_shapes: int = 2
     seed: int = 0
+    localize: LocalizeMode = LocalizeMode.auto
 
 
 @dataclass

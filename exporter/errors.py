@@ -73,6 +73,8 @@ STAGE_ERRORS: dict[str, type[ExporterError]] = {
     "lower": LoweringFailed,
     "goldens": GoldensFailed,
     "validate": RuntimeFailed,
+    # The search reports its own failures; what escapes it is a bug in it, not in the artifact.
+    "localize": ValidationFailed,
     "benchmark": RuntimeFailed,
     "track": TrackingFailed,
 }

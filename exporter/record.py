@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from exporter.backends import Artifact
     from exporter.benchmark import Benchmark
     from exporter.export import Diagnosis
+    from exporter.localize import Localization
     from exporter.tracking import Store
     from exporter.validate import Report
 
@@ -77,6 +78,8 @@ class JobRecord:
     diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
     report: Report | None = None
+    # Where the artifact first diverges (validate.localize), or why that is not known.
+    localization: Localization | None = None
     benchmark: Benchmark | None = None
     # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
     # the cache.

@@ -14,11 +14,24 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from exporter import backends, benchmark, cache_keys, config, export, memory, models, validate
+import torch
+from torch.export import ExportedProgram
+
+from exporter import (
+    backends,
+    benchmark,
+    cache_keys,
+    config,
+    export,
+    localize,
+    memory,
+    models,
+    validate,
+)
 from exporter.backends import Artifact
 from exporter.cache import Cache, key_of, link_files
 from exporter.errors import RuntimeFailed, ValidationFailed
@@ -28,6 +41,7 @@ from exporter.record import JobRecord, Notify, stage
 from exporter.validate import goldens
 from exporter.validate.plan import LiveShape, label, plan
 from exporter.validate.reference import reference_device
+from exporter.validate.report import json_safe
 from runtimes import Loaded
 from runtimes import load as load_runtime
 
@@ -45,11 +59,11 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         bundle = models.build(job.model, job.dynamic)
         record.weight_bytes = models.weight_bytes(bundle.module)
         model_material = cache_keys.model(job)
+        profiles = export.profiles(bundle)
     output_names = bundle.output_names
     if not job.artifact:
         with stage(record, "export", notify):
             export_material = cache_keys.export(job, model_material)
-            profiles = export.profiles(bundle)
             _export(cache, record, job, bundle, export_material)
     expected = None
     if backends.makes_runnable(job):
@@ -93,8 +107,13 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     with stage(record, "validate", notify):
         report = validate.run(output_names, load, shapes, expected, tolerances)
     record.report = report
-    write_json(run_dir / REPORT_FILE, report.to_json())
+    _write_report(record)
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
+    if _localizes(job.validate.localize, report):
+        with stage(record, "localize", notify):
+            record.localization = _localize(job, record, report, expected, tolerances, profiles)
+        _write_report(record)
+        log.info("[localize] %s", "\n".join(record.localization.lines()))
     if not report.passed:
         raise ValidationFailed(report.failure_message())
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
@@ -108,8 +127,99 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             _eager(run_dir, job, report.target),
             job.benchmark,
         )
-    write_json(run_dir / REPORT_FILE, {**report.to_json(), "benchmark": record.benchmark.to_json()})
+    _write_report(record)
     log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
+
+
+def _write_report(record: JobRecord) -> None:
+    """report.json: validation's report, and what later stages found, each in its section."""
+    assert record.report is not None
+    sections = {
+        "first_divergence": record.localization and record.localization.to_json(),
+        "benchmark": record.benchmark and record.benchmark.to_json(),
+    }
+    payload = {**record.report.to_json(), **{k: v for k, v in sections.items() if v}}
+    write_json(record.run_dir / REPORT_FILE, json_safe(payload))
+
+
+def _localizes(mode: config.LocalizeMode, report: validate.Report) -> bool:
+    """Whether the job searches for the first diverging node: on failure (auto) where an
+    output's values differ (a wrong dtype alone is no divergence), or always."""
+    if mode is config.LocalizeMode.always:
+        return True
+    differ = any(o.values_differ for e in report.executions for o in e.outputs)
+    return mode is config.LocalizeMode.auto and differ
+
+
+def _localize(
+    job: config.JobConfig,
+    record: JobRecord,
+    report: validate.Report,
+    expected: goldens.Goldens,
+    tolerances: validate.Tolerances,
+    profiles: tuple[export.shapes.InputProfile, ...],
+) -> localize.Localization:
+    """The first node of the job's exported program that diverges at the first execution that
+    failed (on a passing job, at its worst), replayed as validation ran it. What stops the
+    search is its result's reason: the job's verdict is validation's either way."""
+    failed = [i for i, e in enumerate(report.executions) if not e.passed]
+    last = (
+        failed[0]
+        if failed
+        else max(
+            range(len(report.executions)),
+            key=lambda i: max(
+                o.ratio if tolerances.scaled else o.needed_atol
+                for o in report.executions[i].outputs
+            ),
+        )
+    )
+    executions = report.executions[: last + 1]
+    replay = localize.Replay(
+        tuple((expected.cases[label(e.shape)][0], e.instance == "fresh") for e in executions),
+        executions[-1].shape,
+    )
+    names = report.output_names
+    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".localize-"))
+    try:
+        program = _program(job, record.run_dir, profiles, work_dir)
+        keeps_program = backends.declared(job.backend.name).output(job.backend).file
+
+        def lower(part: ExportedProgram, folder: Path) -> Callable[[], Loaded]:
+            path = folder / export.PROGRAM_FILE
+            if keeps_program == export.PROGRAM_FILE:
+                # The eager backend's artifact is the program file itself.
+                torch.export.save(part, path)
+            artifact = backends.lower(Exported(part, path, profiles), job, folder)
+            return lambda: load_runtime(artifact.path, artifact.runtime, artifact.device)
+
+        def fails(outputs: Sequence[torch.Tensor]) -> bool:
+            judged = validate.judge(names, outputs, replay.shape, expected, tolerances)
+            return not all(output.within for output in judged)
+
+        return localize.localize(
+            program.program, lower, replay, fails, tolerances, work_dir, bool(failed)
+        )
+    except Exception as error:
+        log.info("[localize] stopped", exc_info=True)
+        return localize.NotLocalized(f"the search stopped: {type(error).__name__}: {error}")
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _program(
+    job: config.JobConfig,
+    run_dir: Path,
+    profiles: tuple[export.shapes.InputProfile, ...],
+    work_dir: Path,
+) -> Exported:
+    """The job's exported program; a job that validated a given artifact exported none, and
+    exports the model now."""
+    if (run_dir / export.PROGRAM_FILE).exists():
+        return export.load(run_dir, profiles)
+    log.info("[localize] exporting the model: the job validated a given artifact")
+    bundle = models.build(job.model, job.dynamic)
+    return export.run(bundle, job.export.on_failure, work_dir)
 
 
 def _eager(

@@ -290,6 +290,8 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     if summary.peak_rss_scope:
         tags["peak_rss_scope"] = summary.peak_rss_scope
     tags.update({f"benchmark.{key}": value for key, value in summary.benchmark.items()})
+    if summary.diverged_at:
+        tags["diverged_at"] = summary.diverged_at
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
     if summary.error:

@@ -37,6 +37,10 @@ class JobSummary:
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
+    # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
+    # program again does not, "not localized" where the search could not say; None where no
+    # search ran.
+    diverged_at: str | None = None
     # The benchmark's median latency at the smallest and largest live shape, and the smallest
     # of eager's median over the artifact's (below 1: slower than eager somewhere).
     latency_at_min_ms: float | None = None
@@ -111,6 +115,8 @@ class JobSummary:
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
+        if record.localization:
+            summary.diverged_at = record.localization.summary()
         if record.benchmark:
             timed = record.benchmark.shapes
             summary.latency_ms = [shape.artifact.median_ms for shape in timed]

@@ -22,6 +22,7 @@ COLUMNS = (
     "failed_stage",
     "worst_max_abs_err",
     "worst_nrmse",
+    "diverged_at",
     "latency_at_min_ms",
     "latency_at_max_ms",
     "worst_speedup_vs_eager",
@@ -30,11 +31,12 @@ COLUMNS = (
     "export_s",
     "lower_s",
     "validate_s",
+    "localize_s",
     "benchmark_s",
     "cache_hit",
     "error",
 )
-_STAGES = ("export", "lower", "validate", "benchmark")
+_STAGES = ("export", "lower", "validate", "localize", "benchmark")
 
 
 def distinguishing_groups(summaries: Sequence[JobSummary]) -> list[str]:

@@ -11,12 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from exporter import interrupts, memory
 from exporter.errors import RuntimeFailed
-from exporter.validate.compare import Tolerances, compare
+from exporter.validate.compare import OutputStats, Tolerances, compare
 from exporter.validate.goldens import Goldens
 from exporter.validate.plan import LiveShape, label, run_order
 from exporter.validate.report import Execution, Report
@@ -24,7 +25,7 @@ from runtimes import Loaded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Report", "Tolerances", "run"]
+__all__ = ["Report", "Tolerances", "judge", "run"]
 
 
 def run(
@@ -80,8 +81,7 @@ def _execute(
     goldens: Goldens,
     tolerances: Tolerances,
 ) -> Execution:
-    inputs, expected_outputs = goldens.cases[label(shape)]
-    references = goldens.reference[label(shape)]
+    inputs = goldens.cases[label(shape)][0]
     start = time.perf_counter()
     try:
         outputs = instance.run(inputs)
@@ -90,12 +90,24 @@ def _execute(
             f"the artifact failed at {label(shape)}: {type(error).__name__}: {error}"
         ) from error
     wall_ms = (time.perf_counter() - start) * 1e3
+    return Execution(shape, kind, wall_ms, judge(output_names, outputs, shape, goldens, tolerances))
+
+
+def judge(
+    output_names: Sequence[str],
+    outputs: Sequence[torch.Tensor],
+    shape: LiveShape,
+    goldens: Goldens,
+    tolerances: Tolerances,
+) -> tuple[OutputStats, ...]:
+    """The statistics of an artifact's outputs at `shape` against its goldens, under the rule."""
+    expected_outputs = goldens.cases[label(shape)][1]
     if len(outputs) != len(expected_outputs):
         raise RuntimeFailed(
             f"the artifact returned {len(outputs)} outputs at {label(shape)}; "
             f"the model returns {len(expected_outputs)} ({', '.join(output_names)})."
         )
-    stats = tuple(
+    return tuple(
         compare(
             name,
             actual,
@@ -112,8 +124,7 @@ def _execute(
             outputs,
             expected_outputs,
             goldens.output_dtypes,
-            references,
+            goldens.reference[label(shape)],
             strict=True,
         )
     )
-    return Execution(shape, kind, wall_ms, stats)

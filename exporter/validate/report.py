@@ -140,7 +140,7 @@ class Report:
         return tabulate(rows, headers=headers, disable_numparse=True)
 
     def to_json(self) -> dict:
-        return _json_safe(
+        return json_safe(
             {
                 "passed": self.passed,
                 **asdict(self.tolerances),
@@ -175,12 +175,12 @@ def _worst(values: Iterable[float]) -> float:
     return max(measured) if measured else math.nan
 
 
-def _json_safe(value: object) -> object:
+def json_safe(value: object) -> object:
     """Strict JSON has no inf or NaN; they are written as the strings "inf" and "nan"."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value

@@ -1,0 +1,146 @@
+"""validate.localize: a failed job names the first node of its exported program that diverges.
+
+Each test plants a bug where users meet them: a graph rewrite in lowering that is wrong only
+below the upper bound (a size baked in), a runtime kernel that keeps its upper-bound shape, an
+artifact changed after lowering. The job runs in-process, through its stages, so the bug can be
+planted into the very lowering code the job calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch.export import ExportedProgram
+
+from exporter import config, stages
+from exporter.errors import ValidationFailed
+from exporter.localize.cut import cut, tensor_nodes
+from exporter.localize.node_values import node_values
+from exporter.record import JobRecord
+from tests.test_config import composed
+
+TOYS = Path(__file__).resolve().parents[1] / "exporter" / "models" / "toys.py"
+
+
+def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
+    """Runs one job's stages in this process; its record and report.json."""
+    job = config.to_job(composed(*overrides, "mlflow=off", "benchmark=off", "cache=false"))
+    record = JobRecord(run_dir=run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        stages.run(job, record, lambda *_: None)
+    except ValidationFailed as error:
+        record.error = error
+    return record, json.loads((run_dir / stages.REPORT_FILE).read_text())
+
+
+def node_named(program: ExportedProgram, op: str, module: str) -> torch.fx.Node:
+    """The node of `op` called by the module at `module` (its path in nn_module_stack)."""
+    (node,) = [
+        n
+        for n in tensor_nodes(program)
+        if n.target == op and list(n.meta["nn_module_stack"].values())[-1][0].endswith(module)
+    ]
+    return node
+
+
+def wrong_below_the_bound(name: str, upper: int) -> Callable[[ExportedProgram], ExportedProgram]:
+    """A graph rewrite with the upper bound baked in: the node `name` comes out scaled by
+    seq / upper, right at the bound and wrong below it. Programs without the node pass as
+    they are (a cut made before it)."""
+
+    def rewrite(program: ExportedProgram) -> ExportedProgram:
+        graph = program.graph_module.graph
+        for node in graph.nodes:
+            if node.name != name:
+                continue
+            dim = next(
+                i for i, s in enumerate(node.meta["val"].shape) if isinstance(s, torch.SymInt)
+            )
+            with graph.inserting_after(node):
+                size = graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+            with graph.inserting_after(size):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, size))
+            with graph.inserting_after(scaled):
+                wrong = graph.call_function(torch.ops.aten.div.Tensor, (scaled, upper))
+            keep = (size, scaled)
+            node.replace_all_uses_with(wrong, delete_user_cb=lambda u, keep=keep: u not in keep)
+            program.graph_module.recompile()
+        return program
+
+    return rewrite
+
+
+@pytest.fixture(scope="module")
+def chain_program(tmp_path_factory: pytest.TempPathFactory) -> ExportedProgram:
+    from exporter import export, models
+
+    job = config.to_job(composed("model=rms_norm_chain"))
+    bundle = models.build(job.model, job.dynamic)
+    return export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("chain")).program
+
+
+def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: ExportedProgram) -> None:
+    rsqrt = node_named(chain_program, torch.ops.aten.rsqrt.default, "second")
+    part = cut(chain_program, [rsqrt.name])
+    x = torch.randn(1, 5, 64)
+    (value,) = part.module()(x)
+    wide, narrow = node_values(chain_program, (x,), [rsqrt.name])[rsqrt.name]
+    assert value.shape == (1, 5, 1)
+    assert torch.equal(value, narrow)
+    assert wide.dtype == torch.float64
+    assert torch.allclose(wide, narrow.double(), rtol=1e-5)
+    # The second norm's weight is after the cut: the part does not carry it.
+    assert sorted(part.state_dict) == ["first.weight"]
+
+
+@pytest.mark.parametrize("backend", ["executorch", "aoti"])
+def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
+    backend: str,
+    chain_program: ExportedProgram,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    planted = node_named(chain_program, torch.ops.aten.rsqrt.default, "second").name
+    rewrite = wrong_below_the_bound(planted, upper=128)
+    if backend == "executorch":
+        from exporter.lowering import xnnpack_rewrites
+
+        for_xnnpack = xnnpack_rewrites.for_xnnpack
+        monkeypatch.setattr(xnnpack_rewrites, "for_xnnpack", lambda p: rewrite(for_xnnpack(p)))
+    else:
+        from torch import _inductor as inductor
+
+        compile_package = inductor.aoti_compile_and_package
+        monkeypatch.setattr(
+            inductor,
+            "aoti_compile_and_package",
+            lambda program, **kwargs: compile_package(rewrite(program), **kwargs),
+        )
+    record, report = job_in_process(tmp_path / "run", "model=rms_norm_chain", f"backend={backend}")
+
+    assert record.exit_code == 1
+    failed = [s["shape"]["seq"] for s in report["shapes"] if not s["passed"]]
+    assert failed and max(failed) < 128
+    found = report["first_divergence"]
+    assert found["reproduced"] is True
+    assert (found["node"], found["op"]) == (planted, "aten.rsqrt.default")
+    assert found["module"] == "second (RmsNorm)"
+    line = next(
+        number
+        for number, text in enumerate(TOYS.read_text().splitlines(), start=1)
+        if "torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)" in text
+    )
+    assert found["source"].startswith(f"{TOYS}:{line} in forward:")
+    assert found["shape"]["seq"] in failed
+    assert found["error"]["within"] is False
+    assert found["error"]["max_abs"] > 1e3 * found["error"]["ref_max_abs"]
+    # What feeds it is within the rule: the add of the second norm's mean and eps.
+    assert [i["op"] for i in found["inputs"]] == ["aten.add.Tensor"]
+    assert all(i["within"] for i in found["inputs"])
+    assert found["lowerings"] >= 2
+    assert record.localization is not None
+    assert record.localization.summary() == f"{planted} (aten.rsqrt.default)"
