@@ -166,20 +166,35 @@ def test_external_weights_are_checked_by_name_in_the_ptd(
     assert "outside model.pte" in missing.unseen[0].why
 
 
-def test_the_webgpu_payloads_weights_are_checked(tmp_path: Path) -> None:
+def test_the_webgpu_payloads_weights_are_checked_and_a_scaled_one_named(
+    tmp_path: Path,
+) -> None:
     weights, artifact = lowered(tmp_path, "backend=webgpu", "model=mlp")
     result = audited(weights, artifact)
     assert len(weights) == len(result.checked) == 6
     assert result.passed and result.unseen == ()
     assert "Vulkan's named data" in result.read
+    hidden = weights["2.weight"]
+    path = rewritten(artifact.path, tmp_path / "scaled.pte", hidden, hidden * 2)
+    (mismatch,) = audited(weights, artifact, path).mismatched
+    assert (mismatch.parameter, mismatch.paired_by) == ("2.weight", "key")
+    assert mismatch.differing == mismatch.elements == 64 * 64
 
 
-def test_the_aoti_packages_weights_are_checked_by_name(tmp_path: Path) -> None:
+def test_the_aoti_packages_weights_are_checked_by_name_crc_or_not(tmp_path: Path) -> None:
     weights, artifact = lowered(tmp_path, "backend=aoti", "model=mlp")
     result = audited(weights, artifact)
     assert len(weights) == len(result.checked) == 6
     assert result.passed and result.unseen == ()
     assert {c.how for c in result.checked} == {"exact"}
+    # torch's loader runs a package whose weight changed after packaging (it checks no
+    # CRC-32): the audit reads the changed bytes and names the weight.
+    bias = weights["4.bias"]
+    changed = bias.detach().clone()
+    changed[3] = 100.0
+    path = rewritten(artifact.path, tmp_path / "changed.pt2", bias, changed)
+    (mismatch,) = audited(weights, artifact, path).mismatched
+    assert (mismatch.parameter, mismatch.paired_by, mismatch.differing) == ("4.bias", "name", 1)
 
 
 def test_the_eager_programs_weights_are_checked_by_name(

@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import re
+import struct
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -21,6 +23,9 @@ from exporter.audit.matching import Constant
 _WEIGHTS_CONFIG = re.compile(r"(.*/)?data/aotinductor/[^/]+/weights_config\.json")
 _WRAPPER = re.compile(r"(.*/)?data/aotinductor/[^/]+/[^/]+\.wrapper\.cpp")
 _DECLARED = re.compile(r'constants_info_\[\d+\]\.original_fqn = "([^"]*)";')
+# A zip entry's local header: signature, versions, flags, method, time, date, CRC-32, sizes,
+# and the lengths of the name and the extra field that follow it.
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 # Inductor writes a 1-D constant of at most this many elements into its kernels as literals
 # (torch._inductor.graph.GraphLowering.can_inline_constant).
 _INLINED = 8
@@ -29,7 +34,7 @@ _INLINED = 8
 def package_weights(path: Path) -> tuple[list[Constant], set[str], bool]:
     """The package's weights (by name), the names its compiled code declares, and whether it
     has pickled weights at all (without, they are in the .so's data section)."""
-    with zipfile.ZipFile(path) as archive:
+    with path.open("rb") as raw, zipfile.ZipFile(raw) as archive:
         names = archive.namelist()
         declared: set[str] = set()
         for name in names:
@@ -38,11 +43,11 @@ def package_weights(path: Path) -> tuple[list[Constant], set[str], bool]:
         configs = [n for n in names if _WEIGHTS_CONFIG.fullmatch(n)]
         if not configs:
             return [], declared, False
-        constants = list(_weights(archive, configs))
+        constants = list(_weights(archive, raw, configs))
     return constants, declared, True
 
 
-def _weights(archive: zipfile.ZipFile, configs: list[str]) -> Iterator[Constant]:
+def _weights(archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str]) -> Iterator[Constant]:
     for config_name in configs:
         root = config_name.split("data/aotinductor/")[0]
         config: Mapping[str, list] = json.loads(archive.read(config_name))
@@ -52,7 +57,7 @@ def _weights(archive: zipfile.ZipFile, configs: list[str]) -> Iterator[Constant]
         for file, entries in by_file.items():
             # One file's tensor at a time, and each weight's bytes taken from it.
             stored = torch.load(
-                io.BytesIO(archive.read(f"{root}data/weights/{file}")), weights_only=True
+                io.BytesIO(_entry(archive, raw, f"{root}data/weights/{file}")), weights_only=True
             )
             for fqn, (_file, shape, stride, offset) in entries:
                 view = torch.as_strided(stored.detach(), shape, stride, offset).contiguous()
@@ -64,6 +69,19 @@ def _weights(archive: zipfile.ZipFile, configs: list[str]) -> Iterator[Constant]
                     name=fqn,
                 )
             del stored
+
+
+def _entry(archive: zipfile.ZipFile, raw: BinaryIO, name: str) -> bytes:
+    """An entry's bytes as they lie in the archive, its CRC-32 unchecked: torch's loader does
+    not check it either, so a weight changed after packaging runs, and must be compared, not
+    refused. torch writes entries uncompressed (stored); another is read through zipfile."""
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info)
+    raw.seek(info.header_offset)
+    name_length, extra_length = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))[-2:]
+    raw.seek(info.header_offset + _LOCAL_HEADER.size + name_length + extra_length)
+    return raw.read(info.compress_size)
 
 
 def why_unseen(parameter: torch.Tensor, name: str, declared: set[str], pickled: bool) -> str:

@@ -73,7 +73,7 @@ class Form:
         return ", ".join(steps) or "exact"
 
     def apply(self, parameter: torch.Tensor) -> torch.Tensor:
-        value = parameter.detach().to(self.dtype)
+        value = parameter.detach().cpu().to(self.dtype)
         if self.permutation is not None:
             value = value.permute(self.permutation)
         return value.contiguous()
@@ -115,7 +115,7 @@ def fits(constant: Constant, form: Form, parameter: torch.Tensor) -> bool:
 
 def sha256(data: bytes | memoryview | torch.Tensor) -> str:
     if isinstance(data, torch.Tensor):
-        data = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data).hexdigest()
 
 
