@@ -17,11 +17,13 @@ or channels-last (a 4-D convolution weight XNNPACK stores NHWC). Every compariso
 form is a cast that rounds nothing a backend did not round itself, or a permutation.
 
 What is left then, parameters that no constant holds and unnamed constants that hold no
-parameter, is paired only where that cannot be mistaken: a parameter and the one unexplained
-constant of its shape and dtype (under one of its forms), each the other's only candidate, or
-among several the one that agrees with it on most elements when that is over half of them. A
-constant a graph rewrite made (a mask, a folded scalar) is never paired otherwise, since a false
-mismatch would fail a correct artifact; the parameter it may have replaced is reported unseen.
+parameter, is paired by dtype and shape (under one of the parameter's forms), and only where
+that cannot be mistaken: where a dtype and shape has as many parameters left as constants, in
+order (one and one, or a program's constants, which ExecuTorch emits in its signature's order:
+the parameters'); otherwise each parameter with the one constant that agrees with it on most
+elements, over half of them. Scalars and constants under an intact key are never paired: they
+are the backend's own (a folded eps, a mask), and a false mismatch would fail a correct
+artifact; a parameter no constant is paired with is reported unseen.
 """
 
 from __future__ import annotations
