@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from exporter.audit.matching import Constant, audit_constants
+from exporter.audit.matching import Constant, audit_constants, forms, sha256
 from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen, WeightsAudit
 
 __all__ = ["Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
@@ -80,13 +80,26 @@ def _executorch(
 ) -> WeightsAudit:
     from exporter.audit.executorch_files import program_constants
 
-    external: set[str] = set()
-    constants = list(program_constants(artifact, data_path, external))
-    missing_data = data_path is None or not data_path.exists()
+    constants = list(program_constants(artifact, data_path))
+    has_data = data_path is not None and data_path.exists()
+    outside: set[str] = set()
+    if not has_data:
+        from runtimes.executorch import data_outside
+
+        outside = set(data_outside(artifact))
+
+    data_file = data_path.name if data_path is not None else "a data file"
 
     def why_unseen(name: str) -> str:
-        if name in external and missing_data:
-            return f"the program holds it outside {artifact.name}, in a data file not there"
+        parameter = weights[name]
+        # Held outside by name (a program constant), or by key (a delegate's), the key being
+        # the hash of one of the parameter's forms.
+        if name in outside or any(
+            sha256(form.apply(parameter)) in outside
+            for form in forms(parameter)
+            if outside and form.permutation != (1, 0)
+        ):
+            return f"the program holds it outside {artifact.name}, in {data_file}, not there"
         return _NOT_HELD
 
     keyed = sum(c.key is not None for c in constants)
@@ -95,7 +108,7 @@ def _executorch(
     read = (
         f"{len(constants) - keyed - named} unnamed constants of the program and its payloads, "
         f"{keyed} of {delegate}'s named data keyed by the SHA-256 of their bytes, {named} by "
-        "name" + (f" in {data_path.name}" if data_path is not None and not missing_data else "")
+        "name" + (f" in {data_path.name}" if data_path is not None and has_data else "")
     )
     return _audited(runtime, read, constants, weights, why_unseen)
 

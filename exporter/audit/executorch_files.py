@@ -55,9 +55,9 @@ def mapped(path: Path) -> memoryview:
         return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
 
 
-def program_constants(pte: Path, ptd: Path | None, external: set[str]) -> Iterator[Constant]:
-    """Every constant of the program, its named data and delegates; `external` gets the names
-    of the constants the program holds outside the .pte (in the .ptd)."""
+def program_constants(pte: Path, ptd: Path | None) -> Iterator[Constant]:
+    """Every constant of the program, its named data and delegates, and of `ptd` where it
+    exists."""
     data = mapped(pte)
     program_size, segment_base = _program_header(data)
     program = Table.root(bytes(data[:program_size]), _PROGRAM_ID)
@@ -80,7 +80,7 @@ def program_constants(pte: Path, ptd: Path | None, external: set[str]) -> Iterat
         for index, wrapper in enumerate(plan.tables(2)):
             kind, tensor = wrapper.union(0)
             if kind == _TENSOR and tensor is not None:
-                found = _tensor_constant(tensor, index, buffer, pte.name, external)
+                found = _tensor_constant(tensor, index, buffer, pte.name)
                 if found is not None:
                     yield found
         for delegate in plan.tables(7):
@@ -130,16 +130,13 @@ class _ConstantBuffer:
 
 
 def _tensor_constant(
-    tensor: Table, index: int, buffer: _ConstantBuffer, file: str, external: set[str]
+    tensor: Table, index: int, buffer: _ConstantBuffer, file: str
 ) -> Constant | None:
     """A constant TensorValue held in the .pte, or None (planned, an input, or held outside:
     an external one is in the .ptd under its name, read there)."""
     extra = tensor.table(9)
-    if extra is not None and extra.scalar(2, N.Int8Flags) == _EXTERNAL:
-        external.add(extra.string(1) or "")
-        return None
     buffer_index = int(tensor.scalar(5, N.Uint32Flags))
-    if buffer_index == 0:
+    if buffer_index == 0 or (extra is not None and extra.scalar(2, N.Int8Flags) == _EXTERNAL):
         return None
     if tensor.table(6) is not None:  # a mutable buffer's initial state, not a weight
         return None
