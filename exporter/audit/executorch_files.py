@@ -19,7 +19,7 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -95,7 +95,7 @@ def program_constants(pte: Path, ptd: Path | None) -> Iterator[Constant]:
                 if processed.scalar(0, N.Int8Flags) == _SEGMENT
                 else memoryview(inline_delegate_data[index])
             )
-            yield from _vulkan_constants(payload, named)
+            yield from _vulkan_constants(payload)
 
 
 def _program_header(data: memoryview) -> tuple[int, int]:
@@ -111,7 +111,7 @@ class _ConstantBuffer:
     """Where the program's constants lie: the constant segment at offsets, or the legacy
     inline buffers."""
 
-    def __init__(self, program: Table, segment: object) -> None:
+    def __init__(self, program: Table, segment: Callable[[int], memoryview]) -> None:
         self.buffers = [b.blob(0) for b in program.tables(2)]
         self.data: memoryview | None = None
         self.offsets: list[int] = []
@@ -119,7 +119,7 @@ class _ConstantBuffer:
         if table is not None:
             self.offsets = [int(o) for o in table.vector(1, N.Uint64Flags)]
             if len(self.offsets) > 1:  # offsets[0] is reserved for non-constant tensors
-                self.data = segment(int(table.scalar(0, N.Uint32Flags)))  # type: ignore[operator]
+                self.data = segment(int(table.scalar(0, N.Uint32Flags)))
 
     def get(self, index: int, nbytes: int) -> memoryview | bytes:
         if self.buffers:
@@ -191,7 +191,7 @@ def _flat_tensor(path: Path) -> Iterator[Constant]:
         )
 
 
-def _vulkan_constants(payload: memoryview, named: dict[str, memoryview]) -> Iterator[Constant]:
+def _vulkan_constants(payload: memoryview) -> Iterator[Constant]:
     """A Vulkan payload's constants held in its own bytes, with their dtype and dims (those in
     named data are read there, by key)."""
     graph = read_vulkan_payload(bytes(payload))
