@@ -3,6 +3,7 @@ parameter checked, and bytes changed inside the file after lowering are named, w
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from functools import cache
 from pathlib import Path
@@ -16,6 +17,7 @@ from exporter.audit import TENSORRT_UNSEEN, WeightsAudit, audit
 from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
+from runtimes.webgpu.pte_file import read_pte
 from tests.conftest import CONF_DIR
 
 Weights = dict[str, torch.Tensor]
@@ -130,6 +132,28 @@ def test_one_embedding_row_corrupted_in_the_pte_is_named_with_its_row(
     assert mismatch.max_abs == pytest.approx(3.0)
     assert "1 of 512 rows differ (64 of 32768 elements)" in mismatch.describe()
     assert len(result.checked) == 22
+
+
+def test_a_keyed_constant_that_is_no_parameter_fails_when_its_bytes_change(
+    llama: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, artifact = llama
+    held = {hashlib.sha256(_bytes(w)).hexdigest() for w in weights.values()}
+    # XNNPACK's one constant of its own (not a parameter), under the SHA-256 of its bytes.
+    ((key, blob),) = [
+        (k, b) for k, b in read_pte(artifact.path).named_data.items() if k not in held
+    ]
+    changed = bytearray(blob)
+    changed[0] ^= 0xFF
+    data = artifact.path.read_bytes()
+    assert data.count(blob) == 1
+    path = tmp_path / "model.pte"
+    path.write_bytes(data.replace(blob, bytes(changed)))
+    result = audited(weights, artifact, path)
+    assert not result.passed and result.mismatched == ()
+    (corrupted,) = result.corrupted
+    assert key[:12] in corrupted.where and corrupted.nbytes == len(blob)
+    assert len(result.checked) == 23
 
 
 def test_a_parameter_the_artifact_does_not_carry_is_unseen_not_mismatched(

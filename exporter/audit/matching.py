@@ -65,6 +65,7 @@ class Form:
     permutation: tuple[int, ...] | None
 
     def describe(self, parameter: torch.Tensor) -> str:
+        """The transformation, e.g. "float32 cast, transpose"; empty for the parameter as is."""
         steps = []
         if self.dtype != parameter.dtype:
             steps.append(f"{str(self.dtype).removeprefix('torch.')} cast")
@@ -72,7 +73,7 @@ class Form:
             steps.append("transpose")
         elif self.permutation is not None:
             steps.append(f"permuted {self.permutation} (channels-last)")
-        return ", ".join(steps) or "exact"
+        return ", ".join(steps)
 
     def apply(self, parameter: torch.Tensor) -> torch.Tensor:
         value = parameter.detach().cpu().to(self.dtype)
@@ -149,7 +150,7 @@ def audit_constants(
             continue
         holders = hashes.holders(content, constant)
         for name, form in holders:
-            checked.setdefault(name, Checked(name, constant.where, form.describe(weights[name])))
+            checked.setdefault(name, _checked(name, constant, form, weights[name]))
         # A constant under its intact key that is no parameter's is the backend's own (a
         # mask, a folded value); only an unkeyed one may be a parameter whose bytes changed.
         if not holders and constant.key is None and _numel(constant) > 1:
@@ -214,7 +215,7 @@ def _compare_named(
         return
     for form in fitting:
         if sha256(constant.data) == sha256(form.apply(parameter)):
-            checked.setdefault(name, Checked(name, constant.where, form.describe(parameter)))
+            checked.setdefault(name, _checked(name, constant, form, parameter))
             return
     mismatched[name] = _compared(name, parameter, fitting[0], constant, "name")
 
@@ -275,6 +276,10 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return equal
 
 
+def _checked(name: str, constant: Constant, form: Form, parameter: torch.Tensor) -> Checked:
+    return Checked(name, constant.where, form.describe(parameter) or "exact")
+
+
 def _compared(
     name: str, parameter: torch.Tensor, form: Form, constant: Constant, paired_by: str
 ) -> Mismatch:
@@ -290,7 +295,7 @@ def _compared(
     return Mismatch(
         parameter=name,
         where=constant.where,
-        how=form.describe(parameter),
+        how=form.describe(parameter) or "as is",
         elements=parameter.numel(),
         differing=int(differs.sum()),
         max_abs=float(difference.max()) if difference.numel() else 0.0,

@@ -20,7 +20,7 @@ class Mismatch:
 
     parameter: str
     where: str
-    how: str  # the transformation assumed when comparing
+    how: str  # the transformation assumed when comparing, or "as is"
     elements: int
     differing: int
     max_abs: float
@@ -42,7 +42,7 @@ class Mismatch:
         )
         return (
             f"{self.parameter}: {rows}, max abs {self.max_abs:.4g}; at {self.where} "
-            f"({self.how}, paired by {self.paired_by})"
+            f"(compared {self.how}, paired by {self.paired_by})"
         )
 
 
