@@ -160,11 +160,12 @@ def test_a_parameter_the_artifact_does_not_carry_is_unseen_not_mismatched(
     llama: tuple[Weights, Artifact],
 ) -> None:
     weights, artifact = llama
-    extra = {**weights, "model.unused.weight": torch.full((64,), 0.5)}
-    result = audited(extra, artifact)
+    extra = {**weights, "model.unused.weight": torch.full((64,), 0.5), "model.handle": object()}
+    result = audited(extra, artifact)  # type: ignore[arg-type]
     assert result.passed
-    assert [u.parameter for u in result.unseen] == ["model.unused.weight"]
+    assert [u.parameter for u in result.unseen] == ["model.unused.weight", "model.handle"]
     assert "no constant of the artifact holds it" in result.unseen[0].why
+    assert "not a tensor" in result.unseen[1].why
     assert len(result.checked) == 23
 
 

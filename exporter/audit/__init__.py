@@ -19,6 +19,7 @@ from __future__ import annotations
 import struct
 import zipfile
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,6 +51,20 @@ def audit(
     """Checks the constants of `artifact` (loaded by the runtimes module `runtime`, its data
     file `data_path` beside it) against `weights`, the model's parameters and buffers by fully
     qualified name."""
+    tensors = {name: w for name, w in weights.items() if isinstance(w, torch.Tensor)}
+    result = _audit_tensors(artifact, runtime, tensors, data_path)
+    # A program's constants may hold script objects (TorchBind): no bytes to compare.
+    objects = tuple(
+        Unseen(name, f"a {type(w).__name__}, not a tensor: nothing to compare")
+        for name, w in weights.items()
+        if name not in tensors
+    )
+    return replace(result, unseen=result.unseen + objects) if objects else result
+
+
+def _audit_tensors(
+    artifact: Path, runtime: str, weights: Mapping[str, torch.Tensor], data_path: Path | None
+) -> WeightsAudit:
     try:
         if runtime in ("executorch", "webgpu"):
             return _executorch(artifact, runtime, weights, data_path)
