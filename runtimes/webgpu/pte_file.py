@@ -20,8 +20,8 @@ from runtimes.webgpu.flatbuffer_table import Table
 _IDENTIFIER = b"ET12"
 _EXTENDED_HEADER_MAGIC = b"eh00"
 
-# scalar_type.fbs's ScalarType values.
-_DTYPES: dict[int, torch.dtype] = {
+# scalar_type.fbs's ScalarType values (shared by .pte and .ptd files).
+SCALAR_TYPES: dict[int, torch.dtype] = {
     0: torch.uint8,
     1: torch.int8,
     2: torch.int16,
@@ -355,9 +355,9 @@ def _value(wrapper: Table, index: int, constants: _Constants) -> EValue:
 
 def _tensor(t: Table, index: int, constants: _Constants) -> TensorValue:
     scalar_type = int(t.scalar(0, N.Int8Flags))
-    if scalar_type not in _DTYPES:
+    if scalar_type not in SCALAR_TYPES:
         raise ValueError(f"tensor value {index} has unknown scalar type {scalar_type}")
-    dtype = _DTYPES[scalar_type]
+    dtype = SCALAR_TYPES[scalar_type]
     sizes = _ints(t, 2, N.Int32Flags)
     data_buffer_idx = int(t.scalar(5, N.Uint32Flags))
     constant = None

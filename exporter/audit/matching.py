@@ -1,0 +1,310 @@
+"""Ties the constants an artifact carries to the model's parameters and compares them.
+
+A constant is tied to a parameter three ways, strongest first:
+
+- by name: the format keys it by the parameter's fully qualified name (ExecuTorch's .ptd,
+  AOTInductor's weights, a torch.export program): compared with that parameter;
+- by key: the format keys it by the SHA-256 of the bytes it serialized (XNNPACK's and Vulkan's
+  named data): bytes that still hash to their key are unchanged since lowering, and the key is
+  the hash of one of the parameter's forms (below) where the constant is that parameter, so a
+  constant that no longer hashes to its key is named by its key;
+- by content: an unnamed constant (a .pte's constant buffer, a Vulkan payload's own bytes) whose
+  bytes hash as one of a parameter's forms holds that parameter.
+
+A form is the parameter as a backend may store it: as is, cast (float32 for a half-precision
+weight XNNPACK computes in float32, int32 for an int64 one Vulkan downcasts), transposed (2-D),
+or channels-last (a 4-D convolution weight XNNPACK stores NHWC). Every comparison is exact: each
+form is a cast that rounds nothing a backend did not round itself, or a permutation.
+
+What is left then, parameters that no constant holds and unnamed constants that hold no
+parameter, is paired by dtype and shape (under one of the parameter's forms), and only where
+that cannot be mistaken: where a dtype and shape has as many parameters left as constants, in
+order (one and one, or a program's constants, which ExecuTorch emits in its signature's order:
+the parameters'); otherwise each parameter with the one constant that agrees with it on most
+elements, over half of them. Scalars and constants under an intact key are never paired: they
+are the backend's own (a folded eps, a mask), and a false mismatch would fail a correct
+artifact; a parameter no constant is paired with is reported unseen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen
+
+# A constant an unexplained one is paired with by agreement must agree on more than this.
+_MOST_AGREE = 0.5
+
+
+@dataclass(frozen=True)
+class Constant:
+    """One constant the artifact carries: its bytes and what the format says of them."""
+
+    where: str
+    data: bytes | memoryview
+    dtype: torch.dtype | None = None  # None where the format does not say (XNNPACK's data)
+    shape: tuple[int, ...] | None = None
+    name: str | None = None  # the parameter's fully qualified name, where the format keys by it
+    key: str | None = None  # the SHA-256 (hex) of its bytes, where the format keys by it
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Form:
+    """The parameter as a backend may store it: cast to `dtype`, its dims permuted."""
+
+    dtype: torch.dtype
+    permutation: tuple[int, ...] | None
+
+    def describe(self, parameter: torch.Tensor) -> str:
+        """The transformation, e.g. "float32 cast, transpose"; empty for the parameter as is."""
+        steps = []
+        if self.dtype != parameter.dtype:
+            steps.append(f"{str(self.dtype).removeprefix('torch.')} cast")
+        if self.permutation == (1, 0):
+            steps.append("transpose")
+        elif self.permutation is not None:
+            steps.append(f"permuted {self.permutation} (channels-last)")
+        return ", ".join(steps)
+
+    def apply(self, parameter: torch.Tensor) -> torch.Tensor:
+        value = parameter.detach().cpu().to(self.dtype)
+        if self.permutation is not None:
+            value = value.permute(self.permutation)
+        return value.contiguous()
+
+    def shape(self, parameter: torch.Tensor) -> tuple[int, ...]:
+        dims = tuple(parameter.shape)
+        return tuple(dims[d] for d in self.permutation) if self.permutation else dims
+
+    def nbytes(self, parameter: torch.Tensor) -> int:
+        return parameter.numel() * self.dtype.itemsize
+
+
+def forms(parameter: torch.Tensor) -> list[Form]:
+    dtypes = [parameter.dtype]
+    if parameter.is_floating_point() and parameter.dtype != torch.float32:
+        dtypes.append(torch.float32)
+    if parameter.dtype == torch.int64:
+        dtypes.append(torch.int32)
+    permutations: list[tuple[int, ...] | None] = [None]
+    if parameter.dim() == 2:
+        permutations.append((1, 0))
+    if parameter.dim() == 4:
+        permutations.append((0, 2, 3, 1))
+    return [Form(d, p) for d in dtypes for p in permutations]
+
+
+def fits(constant: Constant, form: Form, parameter: torch.Tensor) -> bool:
+    """Whether the constant could be the parameter in this form. A constant of unknown shape
+    (XNNPACK's) is taken as the parameter's own layout or channels-last, never a transpose,
+    which XNNPACK does not make."""
+    if constant.nbytes != form.nbytes(parameter):
+        return False
+    if constant.dtype is not None and constant.dtype != form.dtype:
+        return False
+    if constant.shape is not None:
+        return tuple(constant.shape) == form.shape(parameter)
+    return form.permutation != (1, 0)
+
+
+def sha256(data: bytes | memoryview | torch.Tensor) -> str:
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
+
+
+def audit_constants(
+    constants: Iterable[Constant],
+    weights: Mapping[str, torch.Tensor],
+    why_unseen: Callable[[str], str],
+) -> tuple[list[Checked], list[Mismatch], list[Unseen], list[Corrupted]]:
+    """Ties `constants` to `weights` and compares them; a parameter no constant holds is
+    unseen, `why_unseen(name)` says why."""
+    constants = list(constants)
+    checked: dict[str, Checked] = {}
+    mismatched: dict[str, Mismatch] = {}
+    corrupted: list[Corrupted] = []
+    hashes = _FormHashes(weights, constants)
+
+    unexplained: list[Constant] = []
+    for constant in constants:
+        if constant.name is not None and constant.name in weights:
+            _compare_named(constant, weights[constant.name], checked, mismatched)
+            continue
+        content = sha256(constant.data)
+        if constant.key is not None and content != constant.key:
+            holders = hashes.holders(constant.key, constant)
+            for name, form in holders:
+                mismatched.setdefault(name, _compared(name, weights[name], form, constant, "key"))
+            if not holders:
+                corrupted.append(Corrupted(constant.where, constant.nbytes))
+            continue
+        holders = hashes.holders(content, constant)
+        for name, form in holders:
+            checked.setdefault(name, _checked(name, constant, form, weights[name]))
+        # A constant under its intact key that is no parameter's is the backend's own (a
+        # mask, a folded value); only an unkeyed one may be a parameter whose bytes changed.
+        if not holders and constant.key is None and _numel(constant) > 1:
+            unexplained.append(constant)
+
+    for name in checked.keys() & mismatched.keys():
+        del checked[name]
+    missing = [n for n in weights if n not in checked and n not in mismatched]
+    for name, constant, form, paired_by in _paired(missing, unexplained, weights):
+        mismatched[name] = _compared(name, weights[name], form, constant, paired_by)
+    unseen = [Unseen(n, why_unseen(n)) for n in weights if n not in checked and n not in mismatched]
+    return list(checked.values()), list(mismatched.values()), unseen, corrupted
+
+
+def _numel(constant: Constant) -> int:
+    return math.prod(constant.shape) if constant.shape is not None else constant.nbytes
+
+
+class _FormHashes:
+    """The SHA-256 of each parameter's forms that some constant could be (same size, dtype and
+    shape), computed once: a hash to the (parameter, form) pairs that make it."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], constants: list[Constant]) -> None:
+        self.weights = weights
+        by_size: dict[int, list[Constant]] = {}
+        for constant in constants:
+            by_size.setdefault(constant.nbytes, []).append(constant)
+        self.index: dict[str, list[tuple[str, Form]]] = {}
+        for name, parameter in weights.items():
+            for form in forms(parameter):
+                candidates = by_size.get(form.nbytes(parameter), ())
+                if any(fits(c, form, parameter) for c in candidates):
+                    digest = sha256(form.apply(parameter))
+                    self.index.setdefault(digest, []).append((name, form))
+
+    def holders(self, digest: str, constant: Constant) -> list[tuple[str, Form]]:
+        found = self.index.get(digest, [])
+        return [(n, f) for n, f in found if fits(constant, f, self.weights[n])]
+
+
+def _compare_named(
+    constant: Constant,
+    parameter: torch.Tensor,
+    checked: dict[str, Checked],
+    mismatched: dict[str, Mismatch],
+) -> None:
+    name = str(constant.name)
+    fitting = [f for f in forms(parameter) if fits(constant, f, parameter)]
+    if not fitting:
+        mismatched[name] = Mismatch(
+            name,
+            constant.where,
+            f"holds {constant.nbytes} bytes of {constant.dtype} {constant.shape}, not the "
+            f"parameter's {parameter.dtype} {tuple(parameter.shape)} in any form",
+            parameter.numel(),
+            parameter.numel(),
+            float("nan"),
+            _rows(parameter),
+            _rows(parameter),
+            "name",
+        )
+        return
+    for form in fitting:
+        if sha256(constant.data) == sha256(form.apply(parameter)):
+            checked.setdefault(name, _checked(name, constant, form, parameter))
+            return
+    mismatched[name] = _compared(name, parameter, fitting[0], constant, "name")
+
+
+def _paired(
+    missing: list[str], unexplained: list[Constant], weights: Mapping[str, torch.Tensor]
+) -> list[tuple[str, Constant, Form, str]]:
+    """Pairs parameters no constant holds with unexplained constants of their dtype and shape
+    (under one of their forms): in order where a dtype and shape has as many of one as of the
+    other (ExecuTorch emits a program's constants in its signature's order, the parameters'),
+    else each parameter with the constant that agrees with it on most elements, over half."""
+    groups: dict[tuple[torch.dtype | None, tuple[int, ...]], tuple[list, list[Constant]]] = {}
+    for constant in unexplained:
+        if constant.shape is not None:
+            groups.setdefault((constant.dtype, tuple(constant.shape)), ([], []))[1].append(constant)
+    for name in missing:
+        parameter = weights[name]
+        for form in forms(parameter):
+            group = groups.get((form.dtype, form.shape(parameter)))
+            if group is not None:
+                group[0].append((name, form))
+                break
+    pairs: list[tuple[str, Constant, Form, str]] = []
+    for named, constants in groups.values():
+        if len(named) == len(constants):
+            how = "shape" if len(named) == 1 else "shape and order"
+            pairs += [(n, c, f, how) for (n, f), c in zip(named, constants, strict=True)]
+            continue
+        free = list(constants)
+        for name, form in named:
+            agreement = sorted(
+                ((_agreement(weights[name], form, c), i) for i, c in enumerate(free)),
+                reverse=True,
+            )
+            if not agreement or agreement[0][0] <= _MOST_AGREE:
+                continue
+            if len(agreement) > 1 and agreement[1][0] == agreement[0][0]:
+                continue
+            pairs.append((name, free.pop(agreement[0][1]), form, "closest of its shape"))
+    return pairs
+
+
+def _decoded(constant: Constant, form: Form, parameter: torch.Tensor) -> torch.Tensor:
+    """The constant's bytes as the form's tensor (a copy: the artifact's mapping is read-only)."""
+    raw = torch.frombuffer(bytearray(constant.data), dtype=torch.uint8)
+    return raw.view(form.dtype).reshape(form.shape(parameter))
+
+
+def _agreement(parameter: torch.Tensor, form: Form, constant: Constant) -> float:
+    got, want = _decoded(constant, form, parameter), form.apply(parameter)
+    return float((_same(got, want)).float().mean()) if want.numel() else 1.0
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    equal = got == want
+    if want.is_floating_point():
+        equal |= got.isnan() & want.isnan()
+    return equal
+
+
+def _checked(name: str, constant: Constant, form: Form, parameter: torch.Tensor) -> Checked:
+    return Checked(name, constant.where, form.describe(parameter) or "exact")
+
+
+def _compared(
+    name: str, parameter: torch.Tensor, form: Form, constant: Constant, paired_by: str
+) -> Mismatch:
+    got, want = _decoded(constant, form, parameter), form.apply(parameter)
+    stored_differs = ~_same(got, want)
+    difference = (got.double() - want.double()).abs()[stored_differs]
+    # Rows are the parameter's own: the stored form's mask permuted back.
+    differs = stored_differs
+    if form.permutation is not None:
+        inverse = tuple(sorted(range(len(form.permutation)), key=form.permutation.__getitem__))
+        differs = stored_differs.permute(inverse)
+    rows = _rows(parameter)
+    return Mismatch(
+        parameter=name,
+        where=constant.where,
+        how=form.describe(parameter) or "as is",
+        elements=parameter.numel(),
+        differing=int(differs.sum()),
+        max_abs=float(difference.max()) if difference.numel() else 0.0,
+        rows=rows,
+        differing_rows=int(differs.reshape(rows, -1).any(dim=1).sum()),
+        paired_by=paired_by,
+    )
+
+
+def _rows(parameter: torch.Tensor) -> int:
+    """Rows along the first dim of a matrix or higher; a vector or scalar is one row."""
+    return parameter.shape[0] if parameter.dim() > 1 else 1

@@ -1,0 +1,122 @@
+"""What a weights audit found: each parameter checked, mismatched or unseen, and where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Checked:
+    parameter: str
+    where: str  # e.g. "XNNPACK named data 9c5dc25dabbb…"
+    how: str  # "exact", or the transformation: "float32 cast", "transpose", ...
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A constant of the artifact that holds the parameter (so its key or name says), with other
+    values."""
+
+    parameter: str
+    where: str
+    how: str  # the transformation assumed when comparing, or "as is"
+    elements: int
+    differing: int
+    max_abs: float
+    # Along the first dim of a parameter of 2 dims or more (an embedding's tokens, a linear's
+    # output features); 1 for a vector or a scalar.
+    rows: int
+    differing_rows: int
+    # How the constant was tied to the parameter: "name" (it is stored under the parameter's
+    # name), "key" (under the SHA-256 of the parameter's bytes), "shape" (the one constant of
+    # its shape and dtype left unexplained) or "closest of its shape".
+    paired_by: str
+
+    def describe(self) -> str:
+        rows = (
+            f"{self.differing_rows} of {self.rows} rows differ ({self.differing} of "
+            f"{self.elements} elements)"
+            if self.rows > 1
+            else f"{self.differing} of {self.elements} elements differ"
+        )
+        return (
+            f"{self.parameter}: {rows}, max abs {self.max_abs:.4g}; at {self.where} "
+            f"(compared {self.how}, paired by {self.paired_by})"
+        )
+
+
+@dataclass(frozen=True)
+class Unseen:
+    parameter: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Corrupted:
+    """A constant whose bytes no longer hash to the key it is stored under, and whose key is no
+    parameter's: changed after lowering, but not traceable to a parameter."""
+
+    where: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightsAudit:
+    runtime: str
+    read: str  # what of the artifact the audit read, in a sentence
+    checked: tuple[Checked, ...]
+    mismatched: tuple[Mismatch, ...]
+    unseen: tuple[Unseen, ...]
+    corrupted: tuple[Corrupted, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        """Unseen parameters do not fail the audit (the report names them); a mismatch does,
+        and so does a constant that no longer hashes to its key."""
+        return not self.mismatched and not self.corrupted
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "runtime": self.runtime,
+            "read": self.read,
+            "checked": len(self.checked),
+            "mismatched": [
+                {
+                    "parameter": m.parameter,
+                    "where": m.where,
+                    "how": m.how,
+                    "elements": m.elements,
+                    "differing": m.differing,
+                    "rows": m.rows,
+                    "differing_rows": m.differing_rows,
+                    "max_abs": m.max_abs,
+                    "paired_by": m.paired_by,
+                }
+                for m in self.mismatched
+            ],
+            "unseen": [u.parameter for u in self.unseen],
+            "unseen_why": {u.parameter: u.why for u in self.unseen},
+            "corrupted": [{"where": c.where, "nbytes": c.nbytes} for c in self.corrupted],
+            "checked_at": {c.parameter: f"{c.where} ({c.how})" for c in self.checked},
+        }
+
+    def lines(self) -> list[str]:
+        verdict = "passed" if self.passed else "FAILED"
+        lines = [
+            f"weights audit {verdict}: {len(self.checked)} checked, {len(self.mismatched)} "
+            f"mismatched, {len(self.unseen)} unseen ({self.read})"
+        ]
+        lines += [f"  mismatch: {m.describe()}" for m in self.mismatched]
+        lines += [
+            f"  corrupted: {c.where} ({c.nbytes} bytes) no longer hashes to its key"
+            for c in self.corrupted
+        ]
+        by_reason: dict[str, list[str]] = {}
+        for u in self.unseen:
+            by_reason.setdefault(u.why, []).append(u.parameter)
+        for why, names in by_reason.items():
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            lines.append(f"  unseen: {shown}: {why}")
+        return lines

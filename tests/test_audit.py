@@ -1,0 +1,291 @@
+"""The weights audit on real artifacts the project lowers: untouched ones pass with every
+parameter checked, and bytes changed inside the file after lowering are named, with numbers."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from exporter import backends, config, export, models
+from exporter.audit import TENSORRT_UNSEEN, WeightsAudit, audit
+from exporter.backends import Artifact
+from exporter.validate import goldens
+from exporter.validate.plan import plan
+from runtimes.webgpu.pte_file import read_pte
+from tests.conftest import CONF_DIR
+
+Weights = dict[str, torch.Tensor]
+
+DOWN_PROJ = "model.model.layers.0.mlp.down_proj.weight"
+EMBED = "model.model.embed_tokens.weight"
+
+
+@cache
+def composed(*overrides: str) -> config.JobConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return config.to_job(compose("config", overrides=list(overrides)))
+
+
+def lowered(out_dir: Path, *overrides: str) -> tuple[Weights, Artifact]:
+    """The artifact, and what the job's audit is given: the exported program's parameters,
+    buffers and constants by name."""
+    job = composed(*overrides)
+    exported = export.run(models.build(job.model, job.dynamic), job.export.on_failure, out_dir)
+    weights = {**exported.program.state_dict, **exported.program.constants}
+    return weights, backends.lower(exported, job, out_dir)
+
+
+def tokens_validation_draws(*overrides: str) -> set[int]:
+    """The token ids of every input the job's validation plan runs."""
+    job = composed(*overrides)
+    bundle = models.build(job.model, job.dynamic)
+    seed = job.validate.seed
+    shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+    cases = goldens.compute(bundle, shapes, seed, "cpu").cases
+    return {int(token) for inputs, _outputs in cases.values() for token in inputs[0].flatten()}
+
+
+def audited(weights: Weights, artifact: Artifact, path: Path | None = None) -> WeightsAudit:
+    return audit(path or artifact.path, str(artifact.runtime), weights, artifact.data_path)
+
+
+def rewritten(source: Path, target: Path, old: torch.Tensor, new: torch.Tensor) -> Path:
+    """A copy of `source` at `target` with the bytes of `old`, found once in it, replaced by
+    those of `new`."""
+    data = source.read_bytes()
+    old_bytes, new_bytes = _bytes(old), _bytes(new)
+    assert data.count(old_bytes) == 1
+    target.write_bytes(data.replace(old_bytes, new_bytes))
+    return target
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Weights, Artifact]:
+    return lowered(tmp_path_factory.mktemp("llama"), "backend=executorch", "model=llama")
+
+
+def test_an_untouched_pte_has_every_llama_weight_checked(
+    llama: tuple[Weights, Artifact],
+) -> None:
+    weights, artifact = llama
+    result = audited(weights, artifact)
+    assert result.passed
+    # 2 layers of 7 projections and 2 norms, the final norm, embedding, head, 2 rotary buffers.
+    assert len(weights) == 23
+    assert len(result.checked) == 23
+    assert (result.mismatched, result.unseen, result.corrupted) == ((), (), ())
+    where = {c.parameter: c.where for c in result.checked}
+    # XNNPACK took the projections and the head; the embedding stayed a program constant.
+    assert "named data" in where[DOWN_PROJ]
+    assert "program constant" in where[EMBED]
+    assert result.to_json()["checked"] == 23
+
+
+def test_a_layer_scaled_inside_the_pte_is_named_by_its_xnnpack_key(
+    llama: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, artifact = llama
+    down = weights[DOWN_PROJ]
+    path = rewritten(artifact.path, tmp_path / "model.pte", down, down * 2)
+    result = audited(weights, artifact, path)
+    assert not result.passed
+    (mismatch,) = result.mismatched
+    assert mismatch.parameter == DOWN_PROJ
+    assert mismatch.paired_by == "key"
+    assert mismatch.elements == mismatch.differing == 64 * 128
+    assert mismatch.rows == mismatch.differing_rows == 64
+    assert mismatch.max_abs == pytest.approx(float(down.detach().abs().max()))
+    assert len(result.checked) == 22
+    assert result.unseen == ()
+    assert result.to_json()["mismatched"][0]["parameter"] == DOWN_PROJ
+    assert any(DOWN_PROJ in line for line in result.lines())
+
+
+def test_one_embedding_row_corrupted_in_the_pte_is_named_with_its_row(
+    llama: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, artifact = llama
+    embed = weights[EMBED]
+    drawn = tokens_validation_draws("backend=executorch", "model=llama")
+    # A token no input of the validation plan draws: validation cannot see its row.
+    untouched = max(set(range(512)) - drawn)
+    corrupted = embed.detach().clone()
+    corrupted[untouched] += 3.0
+    path = rewritten(artifact.path, tmp_path / "model.pte", embed, corrupted)
+    result = audited(weights, artifact, path)
+    (mismatch,) = result.mismatched
+    assert mismatch.parameter == EMBED
+    # The embedding is an unnamed program constant: the one left of its shape and dtype.
+    assert mismatch.paired_by == "shape"
+    assert (mismatch.rows, mismatch.differing_rows) == (512, 1)
+    assert (mismatch.elements, mismatch.differing) == (512 * 64, 64)
+    assert mismatch.max_abs == pytest.approx(3.0)
+    assert "1 of 512 rows differ (64 of 32768 elements)" in mismatch.describe()
+    assert len(result.checked) == 22
+
+
+def test_a_keyed_constant_that_is_no_parameter_fails_when_its_bytes_change(
+    llama: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, artifact = llama
+    held = {hashlib.sha256(_bytes(w)).hexdigest() for w in weights.values()}
+    # XNNPACK's one constant of its own (not a parameter), under the SHA-256 of its bytes.
+    ((key, blob),) = [
+        (k, b) for k, b in read_pte(artifact.path).named_data.items() if k not in held
+    ]
+    changed = bytearray(blob)
+    changed[0] ^= 0xFF
+    data = artifact.path.read_bytes()
+    assert data.count(blob) == 1
+    path = tmp_path / "model.pte"
+    path.write_bytes(data.replace(blob, bytes(changed)))
+    result = audited(weights, artifact, path)
+    assert not result.passed and result.mismatched == ()
+    (corrupted,) = result.corrupted
+    assert key[:12] in corrupted.where and corrupted.nbytes == len(blob)
+    assert len(result.checked) == 23
+
+
+def test_a_parameter_the_artifact_does_not_carry_is_unseen_not_mismatched(
+    llama: tuple[Weights, Artifact],
+) -> None:
+    weights, artifact = llama
+    extra = {**weights, "model.unused.weight": torch.full((64,), 0.5), "model.handle": object()}
+    result = audited(extra, artifact)  # type: ignore[arg-type]
+    assert result.passed
+    assert [u.parameter for u in result.unseen] == ["model.unused.weight", "model.handle"]
+    assert "no constant of the artifact holds it" in result.unseen[0].why
+    assert "not a tensor" in result.unseen[1].why
+    assert len(result.checked) == 23
+
+
+@pytest.fixture(scope="module")
+def embedding_outside(tmp_path_factory: pytest.TempPathFactory) -> tuple[Weights, Artifact]:
+    return lowered(
+        tmp_path_factory.mktemp("embedding"),
+        "backend=executorch",
+        "model=embedding",
+        "backend.external_weights=true",
+    )
+
+
+def test_external_weights_are_checked_by_name_in_the_ptd(
+    embedding_outside: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, artifact = embedding_outside
+    (name,) = weights
+    result = audited(weights, artifact)
+    assert [(c.parameter, c.where, c.how) for c in result.checked] == [
+        (name, f"model.ptd {name!r}", "exact")
+    ]
+    # A row corrupted in the .ptd: named by the name it is stored under.
+    table = weights[name]
+    corrupted = table.detach().clone()
+    corrupted[99, :5] = -corrupted[99, :5]
+    shutil.copy(artifact.path, tmp_path / "model.pte")
+    rewritten(artifact.data_path, tmp_path / "model.ptd", table, corrupted)
+    result = audit(tmp_path / "model.pte", "executorch", weights, tmp_path / "model.ptd")
+    (mismatch,) = result.mismatched
+    assert (mismatch.parameter, mismatch.paired_by) == (name, "name")
+    assert (mismatch.differing_rows, mismatch.differing) == (1, 5)
+    # Without the .ptd, its weights are unseen, and why.
+    missing = audit(tmp_path / "model.pte", "executorch", weights, tmp_path / "none.ptd")
+    assert missing.passed
+    assert [u.parameter for u in missing.unseen] == [name]
+    assert "outside model.pte" in missing.unseen[0].why
+
+
+def test_the_webgpu_payloads_weights_are_checked_and_a_scaled_one_named(
+    tmp_path: Path,
+) -> None:
+    weights, artifact = lowered(tmp_path, "backend=webgpu", "model=mlp")
+    result = audited(weights, artifact)
+    assert len(weights) == len(result.checked) == 6
+    assert result.passed and result.unseen == ()
+    assert "Vulkan's named data" in result.read
+    hidden = weights["2.weight"]
+    path = rewritten(artifact.path, tmp_path / "scaled.pte", hidden, hidden * 2)
+    (mismatch,) = audited(weights, artifact, path).mismatched
+    assert (mismatch.parameter, mismatch.paired_by) == ("2.weight", "key")
+    assert mismatch.differing == mismatch.elements == 64 * 64
+
+
+def test_the_aoti_packages_weights_are_checked_by_name_crc_or_not(tmp_path: Path) -> None:
+    weights, artifact = lowered(tmp_path, "backend=aoti", "model=mlp")
+    result = audited(weights, artifact)
+    assert len(weights) == len(result.checked) == 6
+    assert result.passed and result.unseen == ()
+    assert {c.how for c in result.checked} == {"exact"}
+    # torch's loader runs a package whose weight changed after packaging (it checks no
+    # CRC-32): the audit reads the changed bytes and names the weight.
+    bias = weights["4.bias"]
+    changed = bias.detach().clone()
+    changed[3] = 100.0
+    path = rewritten(artifact.path, tmp_path / "changed.pt2", bias, changed)
+    (mismatch,) = audited(weights, artifact, path).mismatched
+    assert (mismatch.parameter, mismatch.paired_by, mismatch.differing) == ("4.bias", "name", 1)
+
+
+def test_the_eager_programs_weights_are_checked_by_name(
+    llama: tuple[Weights, Artifact],
+) -> None:
+    weights, artifact = llama
+    program = artifact.path.parent / export.PROGRAM_FILE
+    result = audit(program, "eager", weights)
+    assert len(result.checked) == 23 and result.passed
+
+
+def test_tensorrt_and_an_unknown_runtime_leave_every_parameter_unseen_with_why(
+    llama: tuple[Weights, Artifact],
+) -> None:
+    weights, artifact = llama
+    tensorrt = audit(artifact.path.with_suffix(".ep"), "tensorrt", weights)
+    assert tensorrt.passed and tensorrt.checked == ()
+    assert [u.parameter for u in tensorrt.unseen] == list(weights)
+    assert {u.why for u in tensorrt.unseen} == {TENSORRT_UNSEEN}
+    assert tensorrt.to_json()["unseen"] == list(weights)
+    unknown = audit(artifact.path, "coreml", weights)
+    assert {u.why for u in unknown.unseen} == {"the audit has no reader for coreml"}
+
+
+def test_a_file_that_is_no_program_is_reported_unread(
+    llama: tuple[Weights, Artifact], tmp_path: Path
+) -> None:
+    weights, _artifact = llama
+    path = tmp_path / "model.pte"
+    path.write_bytes(b"not a program at all")
+    result = audit(path, "executorch", weights)
+    assert result.checked == () and len(result.unseen) == 23
+    assert result.unseen[0].why.startswith("the artifact could not be read")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "checked", "unseen"),
+    [
+        (("backend=executorch", "model=llama", "model.dtype=bfloat16"), 23, 0),
+        (("backend=executorch", "model=llama", "backend.external_weights=true"), 23, 0),
+        (("backend=executorch", "model=encoder"), 16, 0),
+        (("backend=executorch", "model=moe"), 17, 0),
+        (("backend=webgpu", "model=llama"), 23, 0),
+        # Inductor writes the rotary buffers (8 elements) into its kernels as literals.
+        (("backend=aoti", "model=llama"), 21, 2),
+    ],
+)
+def test_untouched_artifacts_of_every_backend_pass(
+    tmp_path: Path, overrides: tuple[str, ...], checked: int, unseen: int
+) -> None:
+    weights, artifact = lowered(tmp_path, *overrides)
+    result = audited(weights, artifact)
+    assert result.passed
+    assert (len(result.checked), len(result.unseen)) == (checked, unseen)
