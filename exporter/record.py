@@ -24,6 +24,7 @@ from exporter.errors import STAGE_ERRORS, ExporterError, TrackingFailed
 from exporter.files import write_bytes
 
 if TYPE_CHECKING:
+    from exporter.audit import WeightsAudit
     from exporter.backends import Artifact
     from exporter.benchmark import Benchmark
     from exporter.export import Diagnosis
@@ -78,6 +79,8 @@ class JobRecord:
     diagnosis: Diagnosis | None = None
     artifact: Artifact | None = None
     report: Report | None = None
+    # The artifact's constants checked against the model's weights.
+    weights_audit: WeightsAudit | None = None
     # Where the artifact first diverges (validate.localize), or why that is not known.
     localization: Localization | None = None
     benchmark: Benchmark | None = None

@@ -22,6 +22,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter import (
+    audit,
     backends,
     benchmark,
     cache_keys,
@@ -73,6 +74,9 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             seed = job.validate.seed
             shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
             expected = _goldens(cache, record, job, bundle, model_material, shapes)
+    # A given artifact is audited against the model's own weights; a lowered one against the
+    # exported program's, loaded again when the audit runs.
+    given_weights = models.weights(bundle.module) if job.artifact else None
     del bundle
     memory.release_freed()
     memory.spare_survivors()
@@ -105,17 +109,25 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
     )
     with stage(record, "validate", notify):
+        weights = given_weights or export.weights(run_dir)
+        del given_weights
+        record.weights_audit = audit.audit(
+            artifact.path, artifact.runtime, weights, artifact.data_path
+        )
+        del weights
+        memory.release_freed()
         report = validate.run(output_names, load, shapes, expected, tolerances)
     record.report = report
     _write_report(record)
     log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
+    log.info("[validate] %s", "\n".join(record.weights_audit.lines()))
     if _localizes(job.validate.localize, report):
         with stage(record, "localize", notify):
             record.localization = _localize(job, record, report, expected, tolerances, profiles)
         _write_report(record)
         log.info("[localize] %s", "\n".join(record.localization.lines()))
-    if not report.passed:
-        raise ValidationFailed(report.failure_message())
+    if not (report.passed and record.weights_audit.passed):
+        raise ValidationFailed(_failure_message(report, record))
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
     if not job.benchmark.enabled:
         return
@@ -131,10 +143,34 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
 
 
+def _failure_message(report: validate.Report, record: JobRecord) -> str:
+    """Validation's message, then the weights that differ, then where the outputs diverge."""
+    sentences = [report.failure_message()] if not report.passed else []
+    weights_audit = record.weights_audit
+    if weights_audit and not weights_audit.passed:
+        changed = [m.parameter for m in weights_audit.mismatched] + [
+            c.where for c in weights_audit.corrupted
+        ]
+        sentences.append(
+            f"The weights audit found {len(changed)} constants of the artifact that differ from "
+            f"the model's weights: {', '.join(changed)}."
+        )
+    if isinstance(record.localization, localize.FirstDivergence):
+        found = record.localization
+        sentences.append(
+            f"The first node that diverges is {found.summary()} in {found.module or 'the model'}"
+            f", at {found.source or 'an unknown source line'}."
+        )
+    elif isinstance(record.localization, localize.NotReproduced):
+        sentences.append("Lowering the program again does not reproduce the failure.")
+    return " ".join(sentences) + f" ({REPORT_FILE} in the run dir says more.)"
+
+
 def _write_report(record: JobRecord) -> None:
     """report.json: validation's report, and what later stages found, each in its section."""
     assert record.report is not None
     sections = {
+        "weights_audit": record.weights_audit and record.weights_audit.to_json(),
         "first_divergence": record.localization and record.localization.to_json(),
         "benchmark": record.benchmark and record.benchmark.to_json(),
     }

@@ -226,6 +226,9 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
         "weight_gb": _gb(summary.weight_bytes),
         "peak_rss_over_weights": summary.peak_rss_over_weights,
         "worst_speedup_vs_eager": summary.worst_speedup_vs_eager,
+        "weights_checked": summary.weights_checked,
+        "weights_mismatched": summary.weights_mismatched,
+        "weights_unseen": summary.weights_unseen,
     }
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:

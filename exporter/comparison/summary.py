@@ -41,6 +41,10 @@ class JobSummary:
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
     diverged_at: str | None = None
+    # The weights audit: how many parameters it checked, found changed and could not see.
+    weights_checked: int | None = None
+    weights_mismatched: int | None = None
+    weights_unseen: int | None = None
     # The benchmark's median latency at the smallest and largest live shape, and the smallest
     # of eager's median over the artifact's (below 1: slower than eager somewhere).
     latency_at_min_ms: float | None = None
@@ -115,6 +119,11 @@ class JobSummary:
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
+        if record.weights_audit:
+            found = record.weights_audit
+            summary.weights_checked = len(found.checked)
+            summary.weights_mismatched = len(found.mismatched) + len(found.corrupted)
+            summary.weights_unseen = len(found.unseen)
         if record.localization:
             summary.diverged_at = record.localization.summary()
         if record.benchmark:

@@ -22,6 +22,7 @@ COLUMNS = (
     "failed_stage",
     "worst_max_abs_err",
     "worst_nrmse",
+    "weights_mismatched",
     "diverged_at",
     "latency_at_min_ms",
     "latency_at_max_ms",

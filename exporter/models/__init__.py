@@ -30,6 +30,7 @@ from exporter.models.bundle import (
     ModelDeclaration,
     torch_dtype,
     weight_bytes,
+    weights,
 )
 
 # Each schema's builder: the module of this package whose declare() builds it. Imported when its
@@ -55,6 +56,7 @@ __all__ = [
     "code",
     "torch_dtype",
     "weight_bytes",
+    "weights",
 ]
 
 

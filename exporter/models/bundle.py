@@ -68,5 +68,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers (non-persistent ones too) by fully qualified name,
+    as torch.export names them in its program."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
 def torch_dtype(dtype: ModelDtype) -> torch.dtype:
     return getattr(torch, dtype.value)

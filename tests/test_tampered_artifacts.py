@@ -1,0 +1,82 @@
+"""An artifact changed after lowering, validated as a user would (`artifact=...`): the weights
+audit names the parameter, and localization says that lowering does not reproduce the failure.
+A corrupted embedding row that no planned input reads fails the job through the audit alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CliResult, run_exporter
+from tests.test_audit import DOWN_PROJ, EMBED, rewritten, tokens_validation_draws
+
+
+@pytest.fixture(scope="module")
+def lowered_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A default job's model.pte and the weights of its exported program."""
+    workdir = tmp_path_factory.mktemp("llama")
+    result = run_exporter(workdir, "benchmark=off", "mlflow=off")
+    assert result.exit_code == 0, result.output
+    program = torch.export.load(result.run_dir / "program.pt2")
+    return result.run_dir / "model.pte", {**program.state_dict, **program.constants}
+
+
+def validated(workdir: Path, artifact: Path) -> CliResult:
+    return run_exporter(workdir, f"artifact={artifact}", "benchmark=off")
+
+
+def test_a_layer_scaled_after_lowering_is_named_and_not_reproduced_by_lowering(
+    lowered_llama: tuple[Path, dict], tmp_path: Path
+) -> None:
+    pte, weights = lowered_llama
+    down = weights[DOWN_PROJ]
+    tampered = rewritten(pte, tmp_path / "tampered.pte", down, down * 2)
+    result = validated(tmp_path, tampered)
+
+    assert result.exit_code == 1, result.output
+    report = result.report()
+    assert report["passed"] is False
+    audit = report["weights_audit"]
+    assert [m["parameter"] for m in audit["mismatched"]] == [DOWN_PROJ]
+    assert audit["mismatched"][0]["differing"] == down.numel()
+    assert audit["checked"] == len(weights) - 1
+    found = report["first_divergence"]
+    assert found["reproduced"] is False
+    assert "not what lowering makes now" in found["reason"]
+    assert found["lowerings"] == 1
+    assert f"constants of the artifact that differ from the model's weights: {DOWN_PROJ}" in (
+        result.output
+    )
+    assert "does not reproduce the failure" in result.output
+    (run,) = result.mlflow_runs()
+    assert run.data.tags["diverged_at"] == "not reproduced"
+    assert run.data.metrics["weights_mismatched"] == 1
+
+
+def test_an_embedding_row_no_input_reads_fails_the_job_through_the_audit(
+    lowered_llama: tuple[Path, dict], tmp_path: Path
+) -> None:
+    pte, weights = lowered_llama
+    embed = weights[EMBED]
+    vocabulary = embed.shape[0]
+    drawn = tokens_validation_draws("model=llama")
+    row = max(set(range(vocabulary)) - drawn)
+    corrupted = embed.detach().clone()
+    corrupted[row] += 3.0
+    result = validated(tmp_path, rewritten(pte, tmp_path / "corrupted.pte", embed, corrupted))
+
+    assert result.exit_code == 1, result.output
+    report = result.report()
+    # Every output passes at every shape: only the audit sees the row.
+    assert report["passed"] is True
+    assert all(shape["passed"] for shape in report["shapes"])
+    (mismatch,) = report["weights_audit"]["mismatched"]
+    assert mismatch["parameter"] == EMBED
+    assert (mismatch["differing_rows"], mismatch["differing"]) == (1, embed.shape[1])
+    # Nothing diverges at any shape, so there is nothing to localize.
+    assert "first_divergence" not in report
+    assert f"differ from the model's weights: {EMBED}" in result.output
+    (run,) = result.mlflow_runs()
+    assert (run.info.status, run.data.tags["failed_stage"]) == ("FAILED", "validate")
