@@ -20,6 +20,8 @@ from exporter.errors import ValidationFailed
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
 from exporter.record import JobRecord
+from tests.conftest import run_exporter
+from tests.test_cli import assert_user_error
 from tests.test_config import composed
 
 TOYS = Path(__file__).resolve().parents[1] / "exporter" / "models" / "toys.py"
@@ -97,7 +99,8 @@ def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: Exporte
     assert sorted(part.state_dict) == ["first.weight"]
 
 
-@pytest.mark.parametrize("backend", ["executorch", "aoti"])
+# AOTInductor compiles C++ for each lowering: about 40 s here.
+@pytest.mark.parametrize("backend", ["executorch", pytest.param("aoti", marks=pytest.mark.slow)])
 def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
     backend: str,
     chain_program: ExportedProgram,
@@ -144,3 +147,60 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
     assert found["lowerings"] >= 2
     assert record.localization is not None
     assert record.localization.summary() == f"{planted} (aten.rsqrt.default)"
+
+
+def test_a_webgpu_kernel_that_keeps_its_upper_bound_shape_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtimes.webgpu.kernels.reduction import Reduction
+
+    def keep_upper_bound(op: Reduction) -> None:
+        op.out.set_dims(op.out.max_dims, op.name)
+
+    monkeypatch.setattr(Reduction, "resize", keep_upper_bound)
+    record, report = job_in_process(tmp_path / "run", "model=rms_norm", "backend=webgpu")
+
+    assert record.exit_code == 1
+    found = report["first_divergence"]
+    assert found["reproduced"] is True
+    assert (found["op"], found["module"]) == ("aten.mean.dim", "RmsNorm")
+    assert found["shape"]["seq"] < 128
+    # Its output keeps the upper bound's shape: no value of it compares.
+    assert found["error"]["max_abs"] == "inf"
+    assert all(i["within"] for i in found["inputs"])
+
+
+def test_always_searches_a_passing_job_which_then_names_nothing(tmp_path: Path) -> None:
+    result = run_exporter(
+        tmp_path, "model=mlp", "backend=executorch", "validate.localize=always", "benchmark=off"
+    )
+    assert result.exit_code == 0, result.output
+    found = result.report()["first_divergence"]
+    assert found["reproduced"] is None
+    assert found["reason"].startswith("validation passed; at its worst execution, at batch=")
+    assert "no output diverges beyond the rule" in found["reason"]
+    (run,) = result.mlflow_runs()
+    assert run.data.tags["diverged_at"] == "not localized"
+    assert run.data.metrics["localize_s"] > 0
+
+
+def test_off_leaves_a_failed_job_without_a_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtimes.webgpu.kernels.reduction import Reduction
+
+    def keep_upper_bound(op: Reduction) -> None:
+        op.out.set_dims(op.out.max_dims, op.name)
+
+    monkeypatch.setattr(Reduction, "resize", keep_upper_bound)
+    record, report = job_in_process(
+        tmp_path / "run", "model=rms_norm", "backend=webgpu", "validate.localize=off"
+    )
+    assert record.exit_code == 1
+    assert "first_divergence" not in report
+    assert "localize" not in record.seconds
+
+
+def test_an_unknown_localize_mode_is_refused_naming_the_key(tmp_path: Path) -> None:
+    result = run_exporter(tmp_path, "validate.localize=sometimes")
+    assert_user_error(result, 2, "validate.localize", "auto", "always", "off")
