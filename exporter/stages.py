@@ -152,8 +152,9 @@ def _failure_message(report: validate.Report, record: JobRecord) -> str:
             c.where for c in weights_audit.corrupted
         ]
         sentences.append(
-            f"The weights audit found {len(changed)} constants of the artifact that differ from "
-            f"the model's weights: {', '.join(changed)}."
+            f"The weights audit found {len(changed)} "
+            f"{'constant' if len(changed) == 1 else 'constants'} of the artifact that differ "
+            f"from the model's weights: {', '.join(changed)}."
         )
     if isinstance(record.localization, localize.FirstDivergence):
         found = record.localization
