@@ -15,8 +15,7 @@ import logging
 import re
 import sysconfig
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from exporter.export import shapes
 from exporter.export.shapes import Narrowing
 from exporter.files import write_bytes, write_json
 from exporter.models import ModelBundle
+from exporter.quiet_logs import quieted
 
 REPORT_JSON = "export_report.json"
 REPORT_TEXT = "export_report.txt"
@@ -42,6 +42,10 @@ SPECIALIZED = "specialized dim"
 MISSING_FAKE_KERNEL = "missing fake kernel"
 MISMATCHED_FAKE_KERNEL = "mismatched fake kernel"
 OTHER = "export error"
+
+
+# draft_export warns at length about tlparse and each guard; our diagnosis says it once.
+_TORCH_LOGS = ("torch.export._draft_export", "torch.fx.experimental.symbolic_shapes")
 
 _DATA_DEPENDENT_FIX = (
     "branch on data with torch.cond(pred, true_fn, false_fn, operands) or torch.where so both "
@@ -158,7 +162,7 @@ def diagnose(
     found: list[Failure] = []
     try:
         # draft_export takes no ShapesSpec (torch 2.14): unbacked dims are diagnosed as backed.
-        with _quiet_torch_logs():
+        with quieted(_TORCH_LOGS, logging.ERROR):
             program = torch.export.draft_export(
                 bundle.module,
                 example,
@@ -354,18 +358,3 @@ def _user_frame(error: Exception) -> Location | None:
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-@contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """draft_export warns at length about tlparse and each guard; our diagnosis says it once."""
-    names = ("torch.export._draft_export", "torch.fx.experimental.symbolic_shapes")
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)

@@ -18,12 +18,11 @@ is named.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from torch.export import ExportedProgram
 from exporter import interrupts
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
+from exporter.quiet_logs import quieted
 from exporter.validate.compare import Tolerances, compare, reference_error
 from exporter.validate.plan import LiveShape, label
 from runtimes import Loaded
@@ -208,7 +208,7 @@ class _Search:
         folder = self.work_dir / f"{self.lowerings:02d}"
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        with _quiet(_LOWERING_LOGS):
+        with quieted(_LOWERING_LOGS, logging.WARNING):
             load = self.lower(program, folder)
         instance = load()
         outputs: tuple[torch.Tensor, ...] = ()
@@ -352,19 +352,6 @@ class _Search:
             lowerings=self.lowerings,
             seconds=self.seconds(),
         )
-
-
-@contextlib.contextmanager
-def _quiet(names: Sequence[str]) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
 
 
 def _op(node: torch.fx.Node) -> str:
