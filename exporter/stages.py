@@ -109,7 +109,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
     )
     with stage(record, "validate", notify):
-        weights = given_weights or export.weights(run_dir)
+        weights = export.weights(run_dir) if given_weights is None else given_weights
         del given_weights
         record.weights_audit = audit.audit(
             artifact.path, artifact.runtime, weights, artifact.data_path
@@ -151,10 +151,11 @@ def _failure_message(report: validate.Report, record: JobRecord) -> str:
         changed = [m.parameter for m in weights_audit.mismatched] + [
             c.where for c in weights_audit.corrupted
         ]
+        counted = "1 constant" if len(changed) == 1 else f"{len(changed)} constants"
+        verb = "differs" if len(changed) == 1 else "differ"
         sentences.append(
-            f"The weights audit found {len(changed)} "
-            f"{'constant' if len(changed) == 1 else 'constants'} of the artifact that differ "
-            f"from the model's weights: {', '.join(changed)}."
+            f"The weights audit found {counted} of the artifact that {verb} from the model's "
+            f"weights: {', '.join(changed)}."
         )
     if isinstance(record.localization, localize.FirstDivergence):
         found = record.localization
@@ -199,25 +200,11 @@ def _localize(
     """The first node of the job's exported program that diverges at the first execution that
     failed (on a passing job, at its worst), replayed as validation ran it. What stops the
     search is its result's reason: the job's verdict is validation's either way."""
-    failed = [i for i, e in enumerate(report.executions) if not e.passed]
-    last = (
-        failed[0]
-        if failed
-        else max(
-            range(len(report.executions)),
-            key=lambda i: max(
-                o.ratio if tolerances.scaled else o.needed_atol
-                for o in report.executions[i].outputs
-            ),
-        )
-    )
-    executions = report.executions[: last + 1]
-    replay = localize.Replay(
-        tuple((expected.cases[label(e.shape)][0], e.instance == "fresh") for e in executions),
-        executions[-1].shape,
-    )
+    replay = _replay(report, expected, tolerances)
     names = report.output_names
-    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".localize-"))
+    # A .partial- folder: what a stopped job's worker leaves of it is removed
+    # (exporter/job_process.py).
+    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-localize-"))
     try:
         program = _program(job, record.run_dir, profiles, work_dir)
         keeps_program = backends.declared(job.backend.name).output(job.backend).file
@@ -234,14 +221,34 @@ def _localize(
             judged = validate.judge(names, outputs, replay.shape, expected, tolerances)
             return not all(output.within for output in judged)
 
-        return localize.localize(
-            program.program, lower, replay, fails, tolerances, work_dir, bool(failed)
-        )
+        return localize.localize(program.program, lower, replay, fails, tolerances, work_dir)
     except Exception as error:
         log.info("[localize] stopped", exc_info=True)
         return localize.NotLocalized(f"the search stopped: {type(error).__name__}: {error}")
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _replay(
+    report: validate.Report, expected: goldens.Goldens, tolerances: validate.Tolerances
+) -> localize.Replay:
+    """Validation's executions up to the first whose values failed, or where none did, up to
+    the one with the largest error under the rule."""
+    executions = report.executions
+    failed = [i for i, e in enumerate(executions) if any(o.values_differ for o in e.outputs)]
+
+    def error(i: int) -> float:
+        return max(o.ratio if tolerances.scaled else o.needed_atol for o in executions[i].outputs)
+
+    last = failed[0] if failed else max(range(len(executions)), key=error)
+    return localize.Replay(
+        tuple(
+            (expected.cases[label(e.shape)][0], e.instance == "fresh")
+            for e in executions[: last + 1]
+        ),
+        executions[last].shape,
+        diverged=bool(failed),
+    )
 
 
 def _program(

@@ -46,7 +46,7 @@ def test_a_layer_scaled_after_lowering_is_named_and_not_reproduced_by_lowering(
     assert found["reproduced"] is False
     assert "not what lowering makes now" in found["reason"]
     assert found["lowerings"] == 1
-    assert f"constants of the artifact that differ from the model's weights: {DOWN_PROJ}" in (
+    assert f"1 constant of the artifact that differs from the model's weights: {DOWN_PROJ}" in (
         result.output
     )
     assert "does not reproduce the failure" in result.output
@@ -77,6 +77,6 @@ def test_an_embedding_row_no_input_reads_fails_the_job_through_the_audit(
     assert (mismatch["differing_rows"], mismatch["differing"]) == (1, embed.shape[1])
     # Nothing diverges at any shape, so there is nothing to localize.
     assert "first_divergence" not in report
-    assert f"differ from the model's weights: {EMBED}" in result.output
+    assert f"differs from the model's weights: {EMBED}" in result.output
     (run,) = result.mlflow_runs()
     assert (run.info.status, run.data.tags["failed_stage"]) == ("FAILED", "validate")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -52,11 +53,13 @@ Lower = Callable[[ExportedProgram, Path], Callable[[], Loaded]]
 
 @dataclass(frozen=True)
 class Replay:
-    """Validation's executions up to and including the first that failed: (inputs, whether it
-    ran on a freshly loaded instance), and the failing one's shape."""
+    """Validation's executions up to and including the one to search at: (inputs, whether it
+    ran on a freshly loaded instance), its shape, and whether its outputs diverged there
+    (validate.localize=always searches a passing job too, at its worst execution)."""
 
     executions: tuple[tuple[Inputs, bool], ...]
     shape: LiveShape
+    diverged: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,14 +159,12 @@ def localize(
     fails: Callable[[Sequence[torch.Tensor]], bool],
     tolerances: Tolerances,
     work_dir: Path,
-    artifact_failed: bool = True,
 ) -> Localization:
     """`fails(outputs)`: whether the whole program's outputs at the replay's shape fail the
-    job's rule; `artifact_failed`: whether the artifact's did there (validate.localize=always
-    searches a passing job too)."""
+    job's rule."""
     search = _Search(program, lower, replay, tolerances, work_dir)
     if not fails(search.run(program, "the whole program")):
-        if not artifact_failed:
+        if not replay.diverged:
             return NotLocalized(
                 f"validation passed; at its worst execution, at {label(replay.shape)}, the "
                 "program lowered again passes too: no output diverges beyond the rule"
@@ -208,15 +209,13 @@ class _Search:
         folder = self.work_dir / f"{self.lowerings:02d}"
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        with quieted(_LOWERING_LOGS, logging.WARNING):
-            load = self.lower(program, folder)
-        instance = load()
-        outputs: tuple[torch.Tensor, ...] = ()
-        for inputs, fresh in self.replay.executions:
-            if fresh:
-                del instance
-                instance = load()
-            outputs = tuple(instance.run(inputs))
+        try:
+            with quieted(_LOWERING_LOGS, logging.WARNING):
+                load = self.lower(program, folder)
+            outputs = _replayed(load, self.replay)
+        finally:
+            # A 1B model's part is gigabytes; the next lowering writes its own.
+            shutil.rmtree(folder, ignore_errors=True)
         log.info(
             "[localize] lowering %d (%s) and %d executions: %.1f s",
             self.lowerings,
@@ -229,8 +228,13 @@ class _Search:
     def errors(self, names: Sequence[str]) -> list[NodeError] | None:
         """The errors of the nodes `names` from one lowering cut after them; None where that
         cut cannot be lowered or run."""
+        what = (
+            ", ".join(names)
+            if len(names) <= 3
+            else f"{len(names)} nodes, {names[0]} to {names[-1]}"
+        )
         try:
-            actual = self.run(cut(self.program, names), ", ".join(names))
+            actual = self.run(cut(self.program, names), f"cut after {what}")
         except Exception as error:
             log.info("[localize] a cut after %s fails: %s: %s", names, type(error).__name__, error)
             return None
@@ -352,6 +356,18 @@ class _Search:
             lowerings=self.lowerings,
             seconds=self.seconds(),
         )
+
+
+def _replayed(load: Callable[[], Loaded], replay: Replay) -> tuple[torch.Tensor, ...]:
+    """The outputs of the replay's last execution, its executions run as validation ran them."""
+    instance = load()
+    outputs: tuple[torch.Tensor, ...] = ()
+    for inputs, fresh in replay.executions:
+        if fresh:
+            del instance
+            instance = load()
+        outputs = tuple(instance.run(inputs))
+    return outputs
 
 
 def _op(node: torch.fx.Node) -> str:
