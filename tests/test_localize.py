@@ -167,6 +167,12 @@ def test_a_webgpu_kernel_that_keeps_its_upper_bound_shape_is_named(
     assert found["shape"]["seq"] < 128
     # Its output keeps the upper bound's shape: no value of it compares.
     assert found["error"]["max_abs"] == "inf"
+    assert found["error"]["shape"] == [1, 128, 1]
+    assert found["error"]["expected_shape"] == [1, found["shape"]["seq"], 1]
+    assert record.localization is not None
+    assert f"  its shape: (1, 128, 1) where eager's is (1, {found['shape']['seq']}, 1)" in (
+        record.localization.lines()
+    )
     assert all(i["within"] for i in found["inputs"])
 
 

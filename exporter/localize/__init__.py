@@ -69,7 +69,9 @@ class NodeError:
 
     node: str
     op: str
+    # The artifact's value's shape and eager's: a value of another shape differs everywhere.
     shape: tuple[int, ...]
+    expected_shape: tuple[int, ...]
     max_abs: float
     nrmse: float
     ref_max_abs: float
@@ -107,9 +109,13 @@ class FirstDivergence:
             f"first divergence at {label(self.shape)}: node {self.node} ({self.op})",
             f"  module: {self.module or '(the model itself)'}",
             f"  source: {self.source or '(no stack trace recorded)'}",
-            f"  its error: max_abs {self.error.max_abs:.3g}, nrmse {self.error.nrmse:.3g} "
-            f"(eager at the model's dtype: {self.error.ref_max_abs:.3g}, "
-            f"{self.error.ref_nrmse:.3g})",
+            (
+                f"  its shape: {self.error.shape} where eager's is {self.error.expected_shape}"
+                if self.error.shape != self.error.expected_shape
+                else f"  its error: max_abs {self.error.max_abs:.3g}, nrmse "
+                f"{self.error.nrmse:.3g} (eager at the model's dtype: "
+                f"{self.error.ref_max_abs:.3g}, {self.error.ref_nrmse:.3g})"
+            ),
             f"  fed by: {feeding or 'the inputs only'}"
             + (f"; weights {', '.join(self.weights)}" if self.weights else ""),
             f"  found with {self.lowerings} lowerings in {self.seconds:.1f} s",
@@ -266,6 +272,7 @@ class _Search:
             name,
             _op(node),
             stats.shape,
+            stats.golden_shape,
             stats.max_abs,
             stats.nrmse,
             reference.max_abs,
@@ -343,7 +350,7 @@ class _Search:
             if n.op == "placeholder" and _weight_name(self.program, n.name)
         )
         nan = math.nan
-        error = own or NodeError(node.name, _op(node), (), nan, nan, nan, nan, False)
+        error = own or NodeError(node.name, _op(node), (), (), nan, nan, nan, nan, False)
         return FirstDivergence(
             node=node.name,
             op=_op(node),
