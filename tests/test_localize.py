@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 
 from exporter import config, stages
 from exporter.errors import ValidationFailed
+from exporter.localize import source_line
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
 from exporter.record import JobRecord
@@ -210,3 +211,18 @@ def test_off_leaves_a_failed_job_without_a_search(
 def test_an_unknown_localize_mode_is_refused_naming_the_key(tmp_path: Path) -> None:
     result = run_exporter(tmp_path, "validate.localize=sometimes")
     assert_user_error(result, 2, "validate.localize", "auto", "always", "off")
+
+
+def test_a_layers_source_line_is_the_models_call_not_torchs_forward(tmp_path: Path) -> None:
+    from exporter import export, models
+
+    job = config.to_job(composed("model=llama"))
+    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+    linear = torch.ops.aten.linear.default
+    linears = [node for node in tensor_nodes(program.program) if node.target == linear]
+    # 7 projections in each of 2 layers, and the head.
+    assert len(linears) == 15
+    # The innermost frame is nn.Linear's forward, in torch; the line named is the model's call.
+    sources = [source_line(node) for node in linears]
+    assert all("/transformers/models/llama/modeling_llama.py:" in s for s in sources)
+    assert "down_proj = self.down_proj(" in sources[6]

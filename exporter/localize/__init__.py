@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import shutil
 import time
@@ -355,7 +356,7 @@ class _Search:
             node=node.name,
             op=_op(node),
             module=_module(node),
-            source=_source(node),
+            source=source_line(node),
             shape=self.replay.shape,
             error=error,
             inputs=tuple(inputs),
@@ -399,12 +400,19 @@ _FRAME = re.compile(
 )
 
 
-def _source(node: torch.fx.Node) -> str:
-    """The innermost frame of the node's stack trace: `file:line in function: code`."""
+# torch's own code: a frame in it is where torch implements the op (nn.Linear's forward), not
+# where the model calls it.
+_TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The innermost frame of the node's stack trace outside torch's own code (the model's,
+    transformers' for its models): `file:line in function: code`."""
     frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
-    if not frames:
+    outside = [frame for frame in frames if not frame["file"].startswith(_TORCH_DIR)]
+    if not (outside or frames):
         return ""
-    frame = frames[-1]
+    frame = (outside or frames)[-1]
     return f"{frame['file']}:{frame['line']} in {frame['function']}: {frame['code'].strip()}"
 
 
