@@ -69,6 +69,9 @@ def wrong_below_the_bound(name: str, upper: int) -> Callable[[ExportedProgram], 
                 scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, size))
             with graph.inserting_after(scaled):
                 wrong = graph.call_function(torch.ops.aten.div.Tensor, (scaled, upper))
+            # What passes after it read these (XNNPACK's rewrites do).
+            size.meta["val"] = node.meta["val"].shape[dim]
+            scaled.meta["val"] = wrong.meta["val"] = node.meta["val"]
             keep = (size, scaled)
             node.replace_all_uses_with(wrong, delete_user_cb=lambda u, keep=keep: u not in keep)
             program.graph_module.recompile()
