@@ -93,7 +93,7 @@ class FirstDivergence:
     op: str
     # The module that called it (nn_module_stack's innermost: path and class).
     module: str
-    # The model's source line that made it (the innermost frame of its stack_trace).
+    # The model's source line that made it (`source_line`).
     source: str
     shape: LiveShape
     error: NodeError
