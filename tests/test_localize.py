@@ -7,6 +7,7 @@ planted into the very lowering code the job calls."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -229,3 +230,48 @@ def test_a_layers_source_line_is_the_models_call_not_torchs_forward(tmp_path: Pa
     sources = [source_line(node) for node in linears]
     assert all("/transformers/models/llama/modeling_llama.py:" in s for s in sources)
     assert "down_proj = self.down_proj(" in sources[6]
+
+
+class _Module:
+    """A program run by torch: the search's artifact where the test is its own backend."""
+
+    def __init__(self, program: ExportedProgram) -> None:
+        self.module = program.module()
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return tuple(torch.utils._pytree.tree_leaves(self.module(*inputs)))
+
+
+def test_an_error_a_norms_mean_averages_under_the_floor_is_traced_above_it(
+    tmp_path: Path,
+) -> None:
+    """A bug in the rotary embedding reaches the next norm at 2e-5 of its scale; the norm's
+    mean averages that under the rule's floor (1e-5) and its rsqrt amplifies it past the rule
+    again. The node named is the rotary mul, not the rsqrt whose inputs are within."""
+    from exporter import export, models
+    from exporter.localize import Replay, localize
+    from exporter.validate import Tolerances, goldens, judge
+
+    job = config.to_job(composed("model=llama"))
+    bundle = models.build(job.model, job.dynamic)
+    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    rotary_mul = "mul_8"
+    assert "apply_rotary_pos_emb" in source_line(
+        next(n for n in tensor_nodes(program) if n.name == rotary_mul)
+    )
+    rewrite = wrong_below_the_bound(rotary_mul, upper=128)
+    shape = {"seq": 127}
+    expected = goldens.compute(bundle, [shape], 0, "cpu")
+    rule = Tolerances("reference", 1e-4, 1e-3, factor=5.0, floor=1e-5)
+
+    def lower(part: ExportedProgram, folder: Path) -> Callable[[], _Module]:
+        planted = rewrite(copy.deepcopy(part))
+        return lambda: _Module(planted)
+
+    def fails(outputs: tuple[torch.Tensor, ...]) -> bool:
+        return not all(s.within for s in judge(("logits",), outputs, shape, expected, rule))
+
+    replay = Replay(((expected.cases["seq=127"][0], False),), shape)
+    found = localize(program, lower, replay, fails, rule, tmp_path / "search")
+    assert found.summary() == f"{rotary_mul} (aten.mul.Tensor)"
