@@ -1,9 +1,9 @@
 """validate.localize: a failed job names the first node of its exported program that diverges.
 
 Each test plants a bug where users meet them: a graph rewrite in lowering that is wrong only
-below the upper bound (a size baked in), a runtime kernel that keeps its upper-bound shape, an
-artifact changed after lowering. The job runs in-process, through its stages, so the bug can be
-planted into the very lowering code the job calls."""
+below the upper bound (a size baked in), a runtime kernel that keeps its upper-bound shape. The
+job runs in-process, through its stages, so the bug can be planted into the very lowering code
+the job calls. An artifact changed after lowering: tests/test_tampered_artifacts.py."""
 
 from __future__ import annotations
 
