@@ -74,9 +74,10 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             seed = job.validate.seed
             shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
             expected = _goldens(cache, record, job, bundle, model_material, shapes)
-    # A given artifact is audited against the model's own weights; a lowered one against the
-    # exported program's, loaded again when the audit runs.
-    given_weights = models.weights(bundle.module) if job.artifact else None
+    # The weights the audit checks the artifact's against: the model's own for a given
+    # artifact, the exported program's (as the lower stage loads it) for a lowered one. Kept
+    # until the audit, which runs before the artifact is loaded.
+    weights = models.weights(bundle.module) if job.artifact else {}
     del bundle
     memory.release_freed()
     memory.spare_survivors()
@@ -87,6 +88,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         with stage(record, "lower", notify):
             # Loaded here, from program.pt2, with weights of its own.
             exported = export.load(record.run_dir, profiles)
+            weights = {**exported.program.state_dict, **exported.program.constants}
             artifact = _lower(cache, record, job, exported, export_material)
         del exported
         memory.release_freed()
@@ -109,8 +111,6 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
     )
     with stage(record, "validate", notify):
-        weights = export.weights(run_dir) if given_weights is None else given_weights
-        del given_weights
         record.weights_audit = audit.audit(
             artifact.path, artifact.runtime, weights, artifact.data_path
         )

@@ -27,16 +27,7 @@ log = logging.getLogger(__name__)
 
 PROGRAM_FILE = "program.pt2"
 
-__all__ = [
-    "PROGRAM_FILE",
-    "Diagnosis",
-    "ExportDiagnosed",
-    "Exported",
-    "load",
-    "profiles",
-    "run",
-    "weights",
-]
+__all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "profiles", "run"]
 
 
 class ExportDiagnosed(ExportFailed):
@@ -117,10 +108,3 @@ def load(folder: Path, profiles: tuple[shapes.InputProfile, ...]) -> Exported:
     path = folder / PROGRAM_FILE
     program = torch.export.load(path)
     return Exported(program, path, profiles, Diagnosis.read(folder))
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The weights of the program that `run` saved into `folder`: its parameters and buffers
-    (state dict) and its lifted constants, by fully qualified name."""
-    program = torch.export.load(folder / PROGRAM_FILE)
-    return {**program.state_dict, **program.constants}
