@@ -207,14 +207,12 @@ def _localize(
     work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-localize-"))
     try:
         program = _program(job, record.run_dir, profiles, work_dir)
-        keeps_program = backends.declared(job.backend.name).output(job.backend).file
 
         def lower(part: ExportedProgram, folder: Path) -> Callable[[], Loaded]:
-            path = folder / export.PROGRAM_FILE
-            if keeps_program == export.PROGRAM_FILE:
-                # The eager backend's artifact is the program file itself.
-                torch.export.save(part, path)
-            artifact = backends.lower(Exported(part, path, profiles), job, folder)
+            # The part is in memory only: its path is where a backend that ships the program
+            # itself (eager) saves it.
+            exported = Exported(part, folder / export.PROGRAM_FILE, profiles)
+            artifact = backends.lower(exported, job, folder)
             return lambda: load_runtime(artifact.path, artifact.runtime, artifact.device)
 
         def fails(outputs: Sequence[torch.Tensor]) -> bool:

@@ -58,4 +58,9 @@ def lower(
     # Nothing to lower and nothing to fall back from: every node runs in PyTorch, so every
     # fallback policy holds.
     log.info("[lower] eager: the exported program is the artifact")
+    if not exported.path.exists():
+        # A program made in memory (a part that localization cut) is saved where it says.
+        import torch
+
+        torch.export.save(exported.program, exported.path)
     return Artifact.at(exported.path, output(backend), partition=None)
