@@ -154,15 +154,20 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
     assert record.localization.summary() == f"{planted} (aten.rsqrt.default)"
 
 
-def test_a_webgpu_kernel_that_keeps_its_upper_bound_shape_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def reduction_keeps_its_upper_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The WebGPU runtime's reduction kernels with their resize rule disabled (the oracle test's
+    fault in tests/test_webgpu.py): their output keeps the upper bound's shape."""
     from runtimes.webgpu.kernels.reduction import Reduction
 
     def keep_upper_bound(op: Reduction) -> None:
         op.out.set_dims(op.out.max_dims, op.name)
 
     monkeypatch.setattr(Reduction, "resize", keep_upper_bound)
+
+
+@pytest.mark.usefixtures("reduction_keeps_its_upper_bound")
+def test_a_webgpu_kernel_that_keeps_its_upper_bound_shape_is_named(tmp_path: Path) -> None:
     record, report = job_in_process(tmp_path / "run", "model=rms_norm", "backend=webgpu")
 
     assert record.exit_code == 1
@@ -181,9 +186,13 @@ def test_a_webgpu_kernel_that_keeps_its_upper_bound_shape_is_named(
     assert all(i["within"] for i in found["inputs"])
 
 
-def test_always_searches_a_passing_job_which_then_names_nothing(tmp_path: Path) -> None:
+# eager ships the program itself: a part the search cut is saved for it to run.
+@pytest.mark.parametrize("backend", ["executorch", "eager"])
+def test_always_searches_a_passing_job_which_then_names_nothing(
+    backend: str, tmp_path: Path
+) -> None:
     result = run_exporter(
-        tmp_path, "model=mlp", "backend=executorch", "validate.localize=always", "benchmark=off"
+        tmp_path, "model=mlp", f"backend={backend}", "validate.localize=always", "benchmark=off"
     )
     assert result.exit_code == 0, result.output
     found = result.report()["first_divergence"]
@@ -195,15 +204,8 @@ def test_always_searches_a_passing_job_which_then_names_nothing(tmp_path: Path) 
     assert run.data.metrics["localize_s"] > 0
 
 
-def test_off_leaves_a_failed_job_without_a_search(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from runtimes.webgpu.kernels.reduction import Reduction
-
-    def keep_upper_bound(op: Reduction) -> None:
-        op.out.set_dims(op.out.max_dims, op.name)
-
-    monkeypatch.setattr(Reduction, "resize", keep_upper_bound)
+@pytest.mark.usefixtures("reduction_keeps_its_upper_bound")
+def test_off_leaves_a_failed_job_without_a_search(tmp_path: Path) -> None:
     record, report = job_in_process(
         tmp_path / "run", "model=rms_norm", "backend=webgpu", "validate.localize=off"
     )
