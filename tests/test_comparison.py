@@ -107,3 +107,37 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
     assert float(rows[0]["worst_max_abs_err"]) == 8.5e-8
     assert float(rows[0]["worst_speedup_vs_eager"]) == 1.0
     assert rows[1]["worst_speedup_vs_eager"] == ""
+
+
+def test_a_failed_validation_row_says_where_it_diverged_and_how_many_weights_differ(
+    tmp_path: Path,
+) -> None:
+    diverged = JobSummary(
+        job="1-llama-executorch",
+        choices={"model": "llama", "backend": "executorch"},
+        status="failed",
+        exit_code=1,
+        failed_stage="validate",
+        diverged_at="rsqrt_3 (aten.rsqrt.default)",
+        weights_checked=23,
+        weights_mismatched=0,
+        weights_unseen=0,
+        seconds={"lower": 7.4, "validate": 0.4, "localize": 26.1},
+    )
+    tampered = JobSummary(
+        job="2-llama-executorch",
+        choices={"model": "llama", "backend": "executorch"},
+        status="failed",
+        exit_code=1,
+        failed_stage="validate",
+        diverged_at="not reproduced",
+        weights_mismatched=1,
+    )
+    comparison.write([passed("0-mlp-eager", "eager"), diverged, tampered], "Sweep", tmp_path)
+    with (tmp_path / "comparison.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["diverged_at"], r["weights_mismatched"], r["localize_s"]) for r in rows] == [
+        ("", "", ""),
+        ("rsqrt_3 (aten.rsqrt.default)", "0", "26.1"),
+        ("not reproduced", "1", ""),
+    ]
