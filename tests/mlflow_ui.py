@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's build: playwright must never download its own.
 # Nothing beyond 127.0.0.1 is reachable, so anything that phones home would only stall or fail.
@@ -140,7 +141,7 @@ def browse_sweep(
         try:
             page = context.new_page()
             page.goto(experiment_url(base_url, experiment_id))
-            opened_on = page.locator(PAGE_TITLE).first.inner_text()
+            opened_on = _settled_title(page, timeout_s)
             run_names = _expand_until_visible(page, expect_names, timeout_s)
             page.screenshot(path=screenshots / "experiment.png", full_page=True)
 
@@ -157,6 +158,15 @@ def browse_sweep(
             return SweepView(opened_on, run_names, list(zip(steps, values, strict=True)))
         finally:
             context.close()
+
+
+def _settled_title(page: Page, timeout_s: float) -> str:
+    """The page's title once its runs are listed, or, where they never are (the page opened on
+    another view), once the wait is over. While the page loads, a heading with the experiment's
+    name comes and goes before the view's own: read then, a CI run saw "exporter"."""
+    with suppress(PlaywrightTimeoutError):
+        page.locator(RUN_LINK).first.wait_for(timeout=timeout_s * 1000)
+    return page.locator(PAGE_TITLE).first.inner_text()
 
 
 def _expand_until_visible(page: Page, expect_names: list[str], timeout_s: float) -> list[str]:
