@@ -29,8 +29,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from exporter import config, config_store, models  # noqa: E402
-from exporter.validate.plan import label, plan  # noqa: E402
+from exporter.validate.plan import plan  # noqa: E402
 from runtimes import load  # noqa: E402
+from runtimes.verdict.shapes import label  # noqa: E402
 
 
 def elapsed_ms(call: Callable[[], object]) -> float:

@@ -15,8 +15,8 @@ from typing import Any
 from exporter import backends, models
 from exporter.config import BackendConfig, JobConfig
 from exporter.fingerprint import code_of
-from exporter.validate.plan import LiveShape
 from exporter.validate.reference import reference_device
+from runtimes.verdict.shapes import LiveShape
 
 
 def model(job: JobConfig) -> dict[str, Any]:

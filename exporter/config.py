@@ -393,6 +393,9 @@ class JobConfig:
     artifact: str | None = None
     # Reuse exported programs, goldens and lowered artifacts across jobs (`cache=off`: rebuild).
     cache: bool = True
+    # Write bundle/ into the run dir: the artifact, its goldens and plan, for a target's check
+    # (`python -m runtimes.check`) without the model (`bundle=off`: none).
+    bundle: bool = True
     cache_dir: str = "${project_root:}/outputs/cache"
 
     def __post_init__(self) -> None:

@@ -71,6 +71,8 @@ STAGE_ERRORS: dict[str, type[ExporterError]] = {
     "model": ModelFailed,
     "export": ExportFailed,
     "lower": LoweringFailed,
+    # Writing the artifact's bundle for a target: part of what lowering delivers.
+    "bundle": LoweringFailed,
     "goldens": GoldensFailed,
     "validate": RuntimeFailed,
     # The search reports its own failures; what escapes it is a bug in it, not in the artifact.

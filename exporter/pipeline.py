@@ -48,7 +48,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             from exporter import tracking
 
             store = tracking.open_store(job.mlflow)
-            run_id = start_run(store, cfg, context, record)
+            run_id = record.run_id = start_run(store, cfg, context, record)
             notify("run_id", run_id)
         # Imported only now: the stages load torch, which a configuration error need not wait for.
         from exporter import stages

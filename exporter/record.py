@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from exporter.localize import Localization
     from exporter.tracking import Store
     from exporter.validate import Report
+    from runtimes.bundle import Bundle
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,12 @@ class JobRecord:
     weight_bytes: int | None = None
     # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.
     diagnosis: Diagnosis | None = None
+    # The job's MLflow run where tracking is on: its bundle names it, so a target's check of
+    # the bundle can be attached to it.
+    run_id: str | None = None
     artifact: Artifact | None = None
+    # What the target's check needs (bundle=on and an artifact to run).
+    bundle: Bundle | None = None
     report: Report | None = None
     # The artifact's constants checked against the model's weights.
     weights_audit: WeightsAudit | None = None

@@ -11,10 +11,13 @@ the run dir gets links to them either way.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +43,19 @@ from exporter.export import Exported
 from exporter.files import write_json
 from exporter.record import JobRecord, Notify, stage
 from exporter.validate import goldens
-from exporter.validate.plan import LiveShape, label, plan
+from exporter.validate.plan import plan
 from exporter.validate.reference import reference_device
-from exporter.validate.report import json_safe
 from runtimes import Loaded
+from runtimes import bundle as bundles
 from runtimes import load as load_runtime
+from runtimes.verdict import goldens as stored_goldens
+from runtimes.verdict.report import json_safe
+from runtimes.verdict.shapes import FRESH, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
+BUNDLE_DIR = "bundle"
 
 
 def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
@@ -73,7 +80,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         with stage(record, "goldens", notify):
             seed = job.validate.seed
             shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
-            expected = _goldens(cache, record, job, bundle, model_material, shapes)
+            expected, goldens_file = _goldens(cache, record, job, bundle, model_material, shapes)
     # The weights the audit checks the artifact's against: the model's own for a given
     # artifact, the exported program's (as the lower stage loads it) for a lowered one. Kept
     # until the audit, which runs before the artifact is loaded.
@@ -110,6 +117,11 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     tolerances = validate.Tolerances(
         job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
     )
+    if job.bundle:
+        with stage(record, "bundle", notify):
+            record.bundle = _bundle(
+                job, record, artifact, goldens_file or expected, output_names, shapes, tolerances
+            )
     with stage(record, "validate", notify):
         record.weights_audit = audit.audit(
             artifact.path, artifact.runtime, weights, artifact.data_path
@@ -141,6 +153,60 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         )
     _write_report(record)
     log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
+
+
+def _bundle(
+    job: config.JobConfig,
+    record: JobRecord,
+    artifact: Artifact,
+    goldens_source: stored_goldens.Goldens | Path,
+    output_names: Sequence[str],
+    shapes: Sequence[LiveShape],
+    tolerances: validate.Tolerances,
+) -> bundles.Bundle:
+    """bundle/ in the run dir: links to the artifact's files and the goldens (written there
+    when the cache is off), and the manifest that runs them on a target as this job will."""
+    assert artifact.runtime is not None
+    source = {
+        "run_id": record.run_id,
+        "tracking_uri": job.mlflow.tracking_uri if job.mlflow.enabled else None,
+        "experiment": job.mlflow.experiment if job.mlflow.enabled else None,
+        "run_dir": str(record.run_dir),
+        "host": socket.gethostname(),
+        "written": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": job.model.name,
+        "dtype": job.model.dtype.value,
+        "backend": job.backend.name,
+        "libraries": _versions(("torch", "executorch", "transformers")),
+    }
+    written = bundles.write(
+        record.run_dir / BUNDLE_DIR,
+        artifact.files(),
+        goldens_source,
+        artifact.runtime,
+        artifact.device,
+        output_names,
+        shapes,
+        executions(shapes),
+        tolerances,
+        source,
+    )
+    log.info(
+        "[bundle] %s: %s (%.1f MB); check it on a target with: python -m runtimes.check %s",
+        written.folder,
+        ", ".join(written.files),
+        written.total_bytes / 1e6,
+        written.folder,
+    )
+    return written
+
+
+def _versions(distributions: Sequence[str]) -> dict[str, str]:
+    versions = {}
+    for name in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    return versions
 
 
 def _failure_message(report: validate.Report, record: JobRecord) -> str:
@@ -175,6 +241,12 @@ def _write_report(record: JobRecord) -> None:
         "weights_audit": record.weights_audit and record.weights_audit.to_json(),
         "first_divergence": record.localization and record.localization.to_json(),
         "benchmark": record.benchmark and record.benchmark.to_json(),
+        "bundle": record.bundle
+        and {
+            "folder": record.bundle.folder.name,
+            "bytes": record.bundle.total_bytes,
+            "files": dict(record.bundle.files),
+        },
     }
     payload = {**record.report.to_json(), **{k: v for k, v in sections.items() if v}}
     write_json(record.run_dir / REPORT_FILE, json_safe(payload))
@@ -193,7 +265,7 @@ def _localize(
     job: config.JobConfig,
     record: JobRecord,
     report: validate.Report,
-    expected: goldens.Goldens,
+    expected: stored_goldens.Goldens,
     tolerances: validate.Tolerances,
     profiles: tuple[export.shapes.InputProfile, ...],
 ) -> localize.Localization:
@@ -228,7 +300,7 @@ def _localize(
 
 
 def _replay(
-    report: validate.Report, expected: goldens.Goldens, tolerances: validate.Tolerances
+    report: validate.Report, expected: stored_goldens.Goldens, tolerances: validate.Tolerances
 ) -> localize.Replay:
     """Validation's executions up to the first whose values failed, or where none did, up to
     the one with the largest error under the rule."""
@@ -241,8 +313,7 @@ def _replay(
     last = failed[0] if failed else max(range(len(executions)), key=error)
     return localize.Replay(
         tuple(
-            (expected.cases[label(e.shape)][0], e.instance == "fresh")
-            for e in executions[: last + 1]
+            (expected.cases[label(e.shape)][0], e.instance == FRESH) for e in executions[: last + 1]
         ),
         executions[last].shape,
         diverged=bool(failed),
@@ -348,19 +419,20 @@ def _goldens(
     bundle: models.ModelBundle,
     model_material: dict[str, Any],
     shapes: list[LiveShape],
-) -> goldens.Goldens:
+) -> tuple[stored_goldens.Goldens, Path | None]:
     """The planned inputs, the float64 oracle's outputs for them and eager's error at the model's
-    dtype. Kept in the cache only, never in the run dir: they are not a result, and can be
-    larger than the artifact."""
+    dtype, and the cache's file of them (None with the cache off). Kept in the cache, and
+    linked into the run dir only by its bundle: they are not a result, and can be larger than
+    the artifact."""
     material = cache_keys.goldens(job, model_material, shapes)
     record.cache_keys["goldens"] = key_of(material)
 
-    def compute() -> goldens.Goldens:
+    def compute() -> stored_goldens.Goldens:
         return goldens.compute(bundle, shapes, job.validate.seed, reference_device(job))
 
     if cache is None:
-        return compute()
+        return compute(), None
     folder, record.cache_hits["goldens"] = cache.fetch(
-        "goldens", material, lambda out: goldens.save(compute(), out)
+        "goldens", material, lambda out: stored_goldens.save(compute(), out)
     )
-    return goldens.load(folder)
+    return stored_goldens.load(folder), folder / stored_goldens.GOLDENS_FILE

@@ -34,7 +34,8 @@ from exporter.config import MlflowConfig
 from exporter.errors import ExporterError, TrackingFailed, TrackingUnavailable
 from exporter.memory import GB
 from exporter.record import OUTCOMES, JobRecord, now_ms
-from exporter.validate.plan import label, steps
+from exporter.validate.plan import steps
+from runtimes.verdict.shapes import label
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Loaders that run an artifact on its target. Independent of the exporter: a target needs only
-the artifact file, the name of its runtime, the device to run it on, and this package.
+"""Loaders that run an artifact on its target, and the check that validates a bundle there
+(`python -m runtimes.check BUNDLE`). Independent of the exporter: a target needs only the
+artifact file, the name of its runtime, the device to run it on, and this package.
 
 Every module (or subpackage) of this package is one runtime, with a
 `load(path: Path, device: str) -> Loaded`; it is imported only when its artifact is loaded, so a
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-# Modules of this package that are helpers of runtimes, not runtimes.
-_HELPERS = ("on_device",)
+# Modules of this package that are not runtimes: a helper of runtimes, and the target's check
+# of a bundle (runtimes/check.py) with what it reads and judges.
+_HELPERS = ("on_device", "bundle", "check", "verdict")
 
 
 class Loaded(Protocol):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from exporter.validate.compare import EagerError, OutputStats, Tolerances, compare
-from exporter.validate.report import Execution, Report
+from runtimes.verdict.compare import EagerError, OutputStats, Tolerances, compare
+from runtimes.verdict.report import Execution, Report
 
 
 def test_identical_outputs_pass_with_zero_error() -> None:

@@ -10,7 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from exporter.models import DynamicDim
-from exporter.validate.plan import label, plan
+from exporter.validate.plan import plan
+from runtimes.verdict.shapes import label
 from tests.conftest import CliResult, run_exporter
 
 CORNERS = [

@@ -21,8 +21,8 @@ from tabulate import tabulate
 from exporter import interrupts
 from exporter.benchmark.timing import Timing, measure
 from exporter.config import BenchmarkConfig
-from exporter.validate.plan import LiveShape, label
 from runtimes import Loaded, set_threads
+from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 

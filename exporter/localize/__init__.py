@@ -36,9 +36,9 @@ from exporter import interrupts
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
 from exporter.quiet_logs import quieted
-from exporter.validate.compare import Tolerances, compare, reference_error
-from exporter.validate.plan import LiveShape, label
 from runtimes import Loaded
+from runtimes.verdict.compare import Tolerances, compare, reference_error
+from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 

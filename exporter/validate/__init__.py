@@ -1,27 +1,22 @@
-"""The validation stage: run the artifact at every planned live shape against a float64 oracle.
-
-One loaded instance runs the shapes from max down to min and back up to max, so state kept
-from a larger shape cannot hide a bug at a smaller one; a freshly loaded instance then runs
-min, which catches what only a first execution at a small shape gets wrong.
-"""
+"""The validation stage: run the artifact at every planned live shape against the goldens, in
+the order and under the rule of runtimes/verdict/ (which a target's check shares), with a log
+line per execution and a progress bar on a terminal."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
-import torch
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from exporter import interrupts, memory
 from exporter.errors import RuntimeFailed
-from exporter.validate.compare import OutputStats, Tolerances, compare
-from exporter.validate.goldens import Goldens
-from exporter.validate.plan import LiveShape, label, run_order
-from exporter.validate.report import Execution, Report
-from runtimes import Loaded
+from runtimes import Loaded, verdict
+from runtimes.verdict import Report, Tolerances, judge
+from runtimes.verdict.goldens import Goldens
+from runtimes.verdict.report import Execution, execution_line
+from runtimes.verdict.shapes import LiveShape, executions, label
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +30,7 @@ def run(
     goldens: Goldens,
     tolerances: Tolerances,
 ) -> Report:
-    order = [(shape, "reused") for shape in run_order(shapes)] + [(shapes[0], "fresh")]
+    order = executions(shapes)
     log.info(
         "[validate] %d live shapes (%s), %d executions, %s",
         len(shapes),
@@ -43,88 +38,25 @@ def run(
         len(order),
         tolerances.describe(),
     )
-    instance = load()
-    executions = []
+
+    def load_alone() -> Loaded:
+        # What the instance before this one held is handed back first: a 1B model's artifact
+        # is never loaded twice.
+        memory.release_freed()
+        return load()
+
     # The bar shows on a terminal only (disable=None); the log lines say the same everywhere.
     bar = tqdm(total=len(order), desc="validate", unit="run", disable=None)
+
+    def after_each(number: int, execution: Execution) -> None:
+        log.info("[validate] %s", execution_line(number, len(order), execution))
+        bar.update()
+        interrupts.check()
+
     with logging_redirect_tqdm(), bar:
-        for number, (shape, kind) in enumerate(order, start=1):
-            interrupts.check()
-            if kind == "fresh":
-                # The reused instance goes first: a 1B model's artifact is not loaded twice.
-                del instance
-                memory.release_freed()
-                instance = load()
-            execution = _execute(output_names, instance, shape, kind, goldens, tolerances)
-            executions.append(execution)
-            log.info(
-                "[validate] %2d/%d %-12s %-6s max_abs %.3g (eager %.3g)  %.3f ms  %s",
-                number,
-                len(order),
-                label(shape),
-                kind,
-                max(s.max_abs for s in execution.outputs),
-                max(s.ref_max_abs for s in execution.outputs),
-                execution.wall_ms,
-                "ok" if execution.passed else "FAIL",
+        try:
+            return verdict.run(
+                output_names, load_alone, shapes, order, goldens, tolerances, after_each
             )
-            bar.update()
-    target = getattr(instance, "target", {})
-    return Report(tolerances, tuple(output_names), tuple(shapes), tuple(executions), target)
-
-
-def _execute(
-    output_names: Sequence[str],
-    instance: Loaded,
-    shape: LiveShape,
-    kind: str,
-    goldens: Goldens,
-    tolerances: Tolerances,
-) -> Execution:
-    inputs = goldens.cases[label(shape)][0]
-    start = time.perf_counter()
-    try:
-        outputs = instance.run(inputs)
-    except Exception as error:
-        raise RuntimeFailed(
-            f"the artifact failed at {label(shape)}: {type(error).__name__}: {error}"
-        ) from error
-    wall_ms = (time.perf_counter() - start) * 1e3
-    return Execution(shape, kind, wall_ms, judge(output_names, outputs, shape, goldens, tolerances))
-
-
-def judge(
-    output_names: Sequence[str],
-    outputs: Sequence[torch.Tensor],
-    shape: LiveShape,
-    goldens: Goldens,
-    tolerances: Tolerances,
-) -> tuple[OutputStats, ...]:
-    """The statistics of an artifact's outputs at `shape` against its goldens, under the rule."""
-    expected_outputs = goldens.cases[label(shape)][1]
-    if len(outputs) != len(expected_outputs):
-        raise RuntimeFailed(
-            f"the artifact returned {len(outputs)} outputs at {label(shape)}; "
-            f"the model returns {len(expected_outputs)} ({', '.join(output_names)})."
-        )
-    return tuple(
-        compare(
-            name,
-            actual,
-            expected,
-            dtype,
-            tolerances.atol,
-            tolerances.rtol,
-            reference,
-            tolerances.factor if tolerances.scaled else None,
-            tolerances.floor,
-        )
-        for name, actual, expected, dtype, reference in zip(
-            output_names,
-            outputs,
-            expected_outputs,
-            goldens.output_dtypes,
-            goldens.reference[label(shape)],
-            strict=True,
-        )
-    )
+        except verdict.ArtifactFailed as error:
+            raise RuntimeFailed(str(error)) from error

@@ -1,7 +1,6 @@
-"""Golden outputs: the inputs of every planned live shape, the float64 oracle's outputs for them,
-and eager PyTorch at the model's own dtype on the same inputs: the dtype of each of its outputs,
-which the artifact must match, and its error against the oracle, which the reference rule
-scales."""
+"""The goldens stage's work: the inputs of every planned live shape, the float64 oracle's
+outputs for them, and eager PyTorch at the model's own dtype on the same inputs
+(runtimes/verdict/goldens.py says what they hold and how they are kept)."""
 
 from __future__ import annotations
 
@@ -9,36 +8,18 @@ import copy
 import logging
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 
 from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
-from exporter.validate.compare import EagerError, reference_error
 from exporter.validate.oracle import float64_weights
-from exporter.validate.plan import LiveShape, label
+from runtimes.verdict.compare import EagerError, reference_error
+from runtimes.verdict.goldens import Goldens, Inputs, stored
+from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
-
-GOLDENS_FILE = "goldens.pt"
-
-Inputs = tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True)
-class Goldens:
-    # Live shape label -> (inputs as the model sees them, float64 outputs as a flat list).
-    cases: dict[str, tuple[Inputs, list[torch.Tensor]]]
-    # Per output, flat as the cases' outputs: its dtype from the module as built. The float64
-    # oracle cannot say it, and a runtime that returns another dtype is wrong however close.
-    output_dtypes: tuple[torch.dtype, ...]
-    # Live shape label -> per output, eager's error at the model's dtype against the oracle.
-    reference: dict[str, list[EagerError]]
-    # Where eager ran for `reference`: the device kind of the artifact's target (cpu, cuda).
-    reference_device: str
 
 
 def compute(
@@ -51,7 +32,11 @@ def compute(
     }
     cases = {key: (case, _oracle(bundle.module, key, case)) for key, case in inputs.items()}
     reference, output_dtypes = _reference(bundle.module, cases, reference_device)
-    return Goldens(cases, output_dtypes, reference, reference_device)
+    kept = {
+        key: (case, [stored(e, dtype) for e, dtype in zip(expected, output_dtypes, strict=True)])
+        for key, (case, expected) in cases.items()
+    }
+    return Goldens(kept, output_dtypes, reference, reference_device)
 
 
 def _oracle(module: torch.nn.Module, key: str, inputs: Inputs) -> list[torch.Tensor]:
@@ -118,21 +103,3 @@ def _reference(
 def _run(module: torch.nn.Module | Callable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         return pytree.tree_leaves(module(*inputs))
-
-
-def save(goldens: Goldens, folder: Path) -> None:
-    # Plain containers: torch.load(weights_only=True) refuses classes it does not know.
-    state = vars(goldens) | {
-        "reference": {
-            key: [vars(error) for error in errors] for key, errors in goldens.reference.items()
-        }
-    }
-    torch.save(state, folder / GOLDENS_FILE)
-
-
-def load(folder: Path) -> Goldens:
-    state = torch.load(folder / GOLDENS_FILE, weights_only=True)
-    state["reference"] = {
-        key: [EagerError(**error) for error in errors] for key, errors in state["reference"].items()
-    }
-    return Goldens(**state)

@@ -1,4 +1,5 @@
-"""The live-shape plan: which sizes of each dynamic dim validation runs, and in which order."""
+"""The live-shape plan: which sizes of each dynamic dim validation runs (the order it runs them
+in is runtimes/verdict/shapes.py's), and the step MLflow files each under."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import random
 from collections.abc import Sequence
 
 from exporter.models import DynamicDim
-
-# One live shape: a size for every dynamic dim, by name.
-LiveShape = dict[str, int]
+from runtimes.verdict.shapes import LiveShape
 
 
 def plan(
@@ -38,16 +37,6 @@ def _sizes(
     planned = [dim.min, dim.min + 1, middle, dim.max - 1, dim.max, *extra]
     planned += [rng.randint(dim.min, dim.max) for _ in range(random_count)]
     return [min(max(size, dim.min), dim.max) for size in planned]
-
-
-def run_order(shapes: Sequence[LiveShape]) -> list[LiveShape]:
-    """From the largest down to the smallest, then back up, so one instance shrinks and grows."""
-    descending = list(reversed(shapes))
-    return descending + descending[-2::-1]
-
-
-def label(shape: LiveShape) -> str:
-    return ",".join(f"{name}={size}" for name, size in shape.items())
 
 
 def steps(shapes: Sequence[LiveShape]) -> list[int]:

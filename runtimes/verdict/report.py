@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
-from tabulate import tabulate
-
-from exporter.validate.compare import OutputStats, Tolerances
-from exporter.validate.plan import LiveShape, label
+from runtimes.verdict.compare import OutputStats, Tolerances
+from runtimes.verdict.shapes import LiveShape, label
 
 # The statistics that are worse when larger, in report order: the artifact's errors against
 # the float64 oracle, eager's at the model's dtype (ref_*), their ratio, and what would pass.
@@ -136,8 +135,7 @@ class Report:
             ]
             for result in self.by_shape()
         ]
-        headers = ["shape", "runs", *TABLE_STATS, "verdict"]
-        return tabulate(rows, headers=headers, disable_numparse=True)
+        return _table(["shape", "runs", *TABLE_STATS, "verdict"], rows)
 
     def to_json(self) -> dict:
         return json_safe(
@@ -167,6 +165,63 @@ class Report:
                 ],
             }
         )
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> Report:
+        """The report `to_json` wrote (report.json), read back."""
+        tolerances = Tolerances(**{f.name: payload[f.name] for f in fields(Tolerances)})
+        executions = tuple(
+            Execution(
+                execution["shape"],
+                execution["instance"],
+                float(execution["wall_ms"]),
+                tuple(_output_stats(output) for output in execution["outputs"]),
+            )
+            for execution in payload["executions"]
+        )
+        return cls(
+            tolerances,
+            tuple(payload["outputs"]),
+            tuple(result["shape"] for result in payload["shapes"]),
+            executions,
+            dict(payload["target"]),
+        )
+
+
+def execution_line(number: int, total: int, execution: Execution) -> str:
+    """One execution as it ends, for a log: its shape, instance, worst errors and verdict."""
+    return (
+        f"{number:2d}/{total} {label(execution.shape):<12} {execution.instance:<6} "
+        f"max_abs {max(s.max_abs for s in execution.outputs):.3g} "
+        f"(eager {max(s.ref_max_abs for s in execution.outputs):.3g})  "
+        f"{execution.wall_ms:.3f} ms  {'ok' if execution.passed else 'FAIL'}"
+    )
+
+
+def _output_stats(payload: Mapping[str, Any]) -> OutputStats:
+    values = {
+        f.name: _json_float(payload[f.name]) if f.type == "float" else payload[f.name]
+        for f in fields(OutputStats)
+    }
+    values["shape"], values["golden_shape"] = tuple(values["shape"]), tuple(values["golden_shape"])
+    return OutputStats(**values)
+
+
+def _json_float(value: float | str) -> float:
+    # json_safe wrote inf and NaN as strings.
+    return float(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table, left-aligned columns two spaces apart under a rule of dashes."""
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _worst(values: Iterable[float]) -> float:

@@ -1,0 +1,193 @@
+"""A bundle: what a target needs to validate an artifact without the model, its checkpoint or the
+exporter. The job writes one into its run dir (`bundle/`); `python -m runtimes.check BUNDLE`
+reads it on the target.
+
+A bundle is a folder: the artifact's files (hard links to the job's, not copies), the goldens
+file (runtimes/verdict/goldens.py: the planned inputs, the float64 oracle's outputs and eager's
+error at the model's dtype), and `manifest.json`, written last, which says how to run and judge
+them (the runtime and its device, the output names, the live shapes and the order of the
+executions, the rule and its tolerances), where they came from (the job's MLflow run, host and
+libraries), and every file's size and SHA-256. Copy the folder whole; links are followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from runtimes.verdict import goldens as stored_goldens
+from runtimes.verdict.compare import Tolerances
+from runtimes.verdict.shapes import LiveShape
+
+MANIFEST = "manifest.json"
+# The manifest's layout; a reader refuses another, naming both.
+FORMAT = 1
+
+
+class BundleInvalid(Exception):
+    """The bundle cannot be checked: a file is missing, unreadable, or not what was written."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    folder: Path
+    # The runtime module of this package that loads the artifact, and the device it ran on.
+    runtime: str
+    device: str
+    # The artifact's file name in the folder; a data file it needs (a .ptd) lies beside it.
+    artifact: str
+    output_names: tuple[str, ...]
+    # The live shapes, smallest first, and every execution in order with the instance that
+    # runs it (runtimes/verdict/shapes.py).
+    shapes: tuple[LiveShape, ...]
+    executions: tuple[tuple[LiveShape, str], ...]
+    tolerances: Tolerances
+    # Where the bundle came from: the job's MLflow run (run_id, tracking_uri, experiment; None
+    # where tracking was off), its run dir, host, choices and library versions.
+    source: Mapping[str, Any]
+    # File name -> {"bytes": size, "sha256": digest}.
+    files: Mapping[str, Mapping[str, Any]]
+
+    @property
+    def artifact_path(self) -> Path:
+        return self.folder / self.artifact
+
+    def goldens(self) -> stored_goldens.Goldens:
+        try:
+            return stored_goldens.load(self.folder)
+        except Exception as error:
+            raise BundleInvalid(
+                f"{self.folder / stored_goldens.GOLDENS_FILE}: cannot be read: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry["bytes"] for entry in self.files.values())
+
+
+def write(
+    folder: Path,
+    artifact_files: Sequence[Path],
+    goldens: stored_goldens.Goldens | Path,
+    runtime: str,
+    device: str,
+    output_names: Sequence[str],
+    shapes: Sequence[LiveShape],
+    executions: Sequence[tuple[LiveShape, str]],
+    tolerances: Tolerances,
+    source: Mapping[str, Any],
+) -> Bundle:
+    """Writes the bundle into `folder` (made or emptied): `artifact_files` first (the artifact,
+    then its data file), `goldens` linked where it is a file, saved where it is in memory, and
+    the manifest last, so a bundle whose writing stopped has none and is refused."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.iterdir():
+        stale.unlink()
+    placed = [_link(path, folder) for path in artifact_files]
+    if isinstance(goldens, Path):
+        placed.append(_link(goldens, folder))
+    else:
+        placed.append(stored_goldens.save(goldens, folder))
+    bundle = Bundle(
+        folder=folder,
+        runtime=runtime,
+        device=device,
+        artifact=placed[0].name,
+        output_names=tuple(output_names),
+        shapes=tuple(shapes),
+        executions=tuple(executions),
+        tolerances=tolerances,
+        source=dict(source),
+        files={
+            path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in placed
+        },
+    )
+    manifest = {"format": FORMAT} | {
+        f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
+    }
+    manifest["tolerances"] = asdict(tolerances)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=f"-{MANIFEST}")
+    with os.fdopen(handle, "w") as out:
+        json.dump(manifest, out, indent=2)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, folder / MANIFEST)
+    return bundle
+
+
+def read(folder: Path) -> Bundle:
+    """The bundle in `folder`, once every file it lists is there with its size and SHA-256;
+    raises BundleInvalid naming the first file that is not."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise BundleInvalid(
+            f"{path}: no such file. A bundle is the bundle/ folder of a job's run dir, copied "
+            "whole; one without its manifest was not written to the end."
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise BundleInvalid(
+                f"{path}: bundle format {manifest.get('format')!r}; this check reads format "
+                f"{FORMAT}. Check it with the runtimes package of the exporter that wrote it."
+            )
+        bundle = Bundle(
+            folder=folder,
+            runtime=manifest["runtime"],
+            device=manifest["device"],
+            artifact=manifest["artifact"],
+            output_names=tuple(manifest["output_names"]),
+            shapes=tuple(manifest["shapes"]),
+            executions=tuple((shape, instance) for shape, instance in manifest["executions"]),
+            tolerances=Tolerances(**manifest["tolerances"]),
+            source=manifest["source"],
+            files=manifest["files"],
+        )
+    except BundleInvalid:
+        raise
+    except (ValueError, KeyError, TypeError) as error:
+        raise BundleInvalid(f"{path}: unreadable: {type(error).__name__}: {error}") from error
+    for name, entry in bundle.files.items():
+        _verify(folder / name, entry)
+    return bundle
+
+
+def sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _verify(path: Path, entry: Mapping[str, Any]) -> None:
+    if not path.is_file():
+        raise BundleInvalid(
+            f"{path}: no such file; the bundle's manifest lists it ({entry['bytes']} bytes). "
+            "Copy the bundle folder whole."
+        )
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise BundleInvalid(
+            f"{path}: {size} bytes where the bundle's manifest says {entry['bytes']}: the file "
+            "changed after the bundle was written, or was copied in part."
+        )
+    if sha256(path) != entry["sha256"]:
+        raise BundleInvalid(
+            f"{path}: its SHA-256 does not match the bundle's manifest: the file changed after "
+            "the bundle was written."
+        )
+
+
+def _link(path: Path, folder: Path) -> Path:
+    """`path` in `folder` under its own name: a hard link, or where the file lies on another
+    file system, a symbolic link to it (copying the bundle with links followed takes the file)."""
+    destination = folder / path.name
+    try:
+        os.link(path, destination)
+    except OSError:
+        destination.symlink_to(path.resolve())
+    return destination

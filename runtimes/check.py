@@ -1,0 +1,188 @@
+"""`python -m runtimes.check BUNDLE [--device DEVICE] [--report PATH]`: validate a job's artifact
+on a target that has only its bundle (runtimes/bundle.py), torch, the artifact's runtime package
+and this package.
+
+It runs the bundle's plan as the job's validate stage does (runtimes/verdict/), prints a line
+per execution and the same table, and writes the same report.json, with a `check` section that
+says where it ran and which run the bundle came from; `python -m exporter track report=PATH`
+attaches that report to the run. It imports nothing of the exporter, the model's libraries,
+Hydra or MLflow.
+
+Exit codes: 0 every live shape passed, 1 one failed, 2 the bundle is incomplete or a file does
+not match its checksum (the message names the file), 5 the artifact cannot be loaded or run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtimes import Loaded, load, verdict
+from runtimes.bundle import Bundle, BundleInvalid, read
+from runtimes.verdict.report import Execution, Report, execution_line, json_safe
+
+PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED = 0, 1, 2, 5
+REPORT_FILE = "report.json"
+# Distributions whose versions a report records where installed: torch, and the packages the
+# runtimes of this package load artifacts with.
+_PACKAGES = ("torch", "executorch", "wgpu", "flatbuffers", "torch_tensorrt", "tensorrt")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    folder = Path(args.bundle)
+    try:
+        bundle = read(folder)
+        goldens = bundle.goldens()
+    except BundleInvalid as error:
+        print(f"[check] the bundle cannot be checked: {error}", file=sys.stderr)
+        return BAD_BUNDLE
+    device = args.device or bundle.device
+    report_path = Path(args.report) if args.report else folder / REPORT_FILE
+    print(f"[check] bundle {folder} ({bundle.total_bytes / 1e6:.1f} MB), {_source(bundle)}")
+    print(
+        f"[check] {bundle.artifact} on runtime {bundle.runtime}, device {device}; "
+        f"{len(bundle.shapes)} live shapes, {len(bundle.executions)} executions, "
+        f"{bundle.tolerances.describe()}"
+    )
+    kind = device.split(":")[0]
+    if kind in ("cpu", "cuda") and kind != goldens.reference_device:
+        # The same dtype rounds differently on a GPU; the rule still scales the job's figure.
+        print(
+            f"[check] eager's error at the model's dtype, which the rule scales, was measured "
+            f"on {goldens.reference_device}; this check runs on {device}"
+        )
+    started = time.time()
+
+    def load_artifact() -> Loaded:
+        try:
+            return load(bundle.artifact_path, bundle.runtime, device)
+        except Exception as error:
+            raise _LoadFailed(_load_failure(bundle, device, error)) from error
+
+    def after_each(number: int, execution: Execution) -> None:
+        print(f"[check] {execution_line(number, len(bundle.executions), execution)}", flush=True)
+
+    try:
+        report = verdict.run(
+            bundle.output_names,
+            load_artifact,
+            bundle.shapes,
+            bundle.executions,
+            goldens,
+            bundle.tolerances,
+            after_each,
+        )
+    except (_LoadFailed, verdict.ArtifactFailed) as error:
+        print(f"[check] {error}", file=sys.stderr)
+        _write(report_path, _check(bundle, device, started, RUNTIME_FAILED, str(error)))
+        print(f"[check] report: {report_path}")
+        return RUNTIME_FAILED
+    code = PASSED if report.passed else FAILED
+    _write(report_path, _check(bundle, device, started, code, None, report))
+    print(f"[check] report ({report_path}):\n{report.table()}")
+    if report.passed:
+        print(f"[check] passed at all {len(report.shapes)} live shapes")
+    else:
+        print(f"[check] FAILED: {report.failure_message()}")
+    return code
+
+
+class _LoadFailed(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m runtimes.check",
+        description="Validate an artifact on this machine against the goldens of its bundle.",
+    )
+    parser.add_argument("bundle", help="the bundle folder (a job's run dir has it as bundle/)")
+    parser.add_argument(
+        "--device",
+        help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
+        "cpu for webgpu); default: the job's",
+    )
+    parser.add_argument("--report", help="where to write report.json; default: in the bundle")
+    return parser
+
+
+def _source(bundle: Bundle) -> str:
+    source = bundle.source
+    run = f"MLflow run {source['run_id']}" if source.get("run_id") else "no MLflow run"
+    return f"from {source.get('host', 'an unknown host')}, {run}"
+
+
+def _load_failure(bundle: Bundle, device: str, error: Exception) -> str:
+    message = (
+        f"cannot load {bundle.artifact_path} (runtime {bundle.runtime}) on {device}: "
+        f"{type(error).__name__}: {error}"
+    )
+    built_with = bundle.source.get("libraries", {}).get("torch")
+    if built_with and built_with != torch.__version__:
+        message += f" (the artifact was built with torch {built_with}; this is {torch.__version__})"
+    return message
+
+
+def _check(
+    bundle: Bundle,
+    device: str,
+    started: float,
+    exit_code: int,
+    error: str | None,
+    report: Report | None = None,
+) -> dict[str, Any]:
+    """report.json: the report as the job writes it, or where the artifact did not run, only
+    that it did not pass; and the `check` section."""
+    payload = report.to_json() if report else {"passed": False}
+    payload["check"] = {
+        "bundle": str(bundle.folder.resolve()),
+        "source": dict(bundle.source),
+        "runtime": bundle.runtime,
+        "device": device,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "packages": _versions(),
+        "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+        "seconds": time.time() - started,
+        "exit_code": exit_code,
+        "error": error,
+    }
+    return payload
+
+
+def _versions() -> Mapping[str, str]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _write(path: Path, payload: Mapping[str, Any]) -> None:
+    """Atomically: a reader sees the old report or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.name)
+    with os.fdopen(handle, "w") as out:
+        json.dump(json_safe(payload), out, indent=2)
+        out.write("\n")
+    os.replace(temporary, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

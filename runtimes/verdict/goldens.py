@@ -1,0 +1,64 @@
+"""Golden outputs as validation reads them, and their file: the inputs of every planned live
+shape, the float64 oracle's outputs for them, and eager PyTorch at the model's own dtype on the
+same inputs: the dtype of each of its outputs, which the artifact must match, and its error
+against the oracle, which the reference rule scales. The job computes them (exporter/validate/
+goldens.py); a bundle carries their file to the target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtimes.verdict.compare import EagerError
+
+GOLDENS_FILE = "goldens.pt"
+
+Inputs = tuple[torch.Tensor, ...]
+
+# The dtypes whose own rounding (2^-8 or 2^-11 of a value) is so much larger than float32's
+# (2^-24) that an expected output of theirs is kept in float32: the oracle's value rounded to
+# float32 moves an error by at most 1/65536 (bfloat16) or 1/8192 (float16) of one rounding of
+# the model's dtype, and halves the goldens of a bfloat16 1B Llama (272 MB, not 544 MB).
+# Other outputs keep float64: rounding to float32 would be half a unit of the very precision
+# a float32 artifact is judged at.
+_NARROWED = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Goldens:
+    # Live shape label -> (inputs as the model sees them, expected outputs as a flat list).
+    cases: dict[str, tuple[Inputs, list[torch.Tensor]]]
+    # Per output, flat as the cases' outputs: its dtype from the module as built. The float64
+    # oracle cannot say it, and a runtime that returns another dtype is wrong however close.
+    output_dtypes: tuple[torch.dtype, ...]
+    # Live shape label -> per output, eager's error at the model's dtype against the oracle.
+    reference: dict[str, list[EagerError]]
+    # Where eager ran for `reference`: the device kind of the artifact's target (cpu, cuda).
+    reference_device: str
+
+
+def stored(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle's output as goldens keep it, for an output whose eager dtype is `dtype`."""
+    return expected.to(torch.float32) if dtype in _NARROWED else expected
+
+
+def save(goldens: Goldens, folder: Path) -> Path:
+    # Plain containers: torch.load(weights_only=True) refuses classes it does not know.
+    state = vars(goldens) | {
+        "reference": {
+            key: [vars(error) for error in errors] for key, errors in goldens.reference.items()
+        }
+    }
+    path = folder / GOLDENS_FILE
+    torch.save(state, path)
+    return path
+
+
+def load(folder: Path) -> Goldens:
+    state = torch.load(folder / GOLDENS_FILE, weights_only=True)
+    state["reference"] = {
+        key: [EagerError(**error) for error in errors] for key, errors in state["reference"].items()
+    }
+    return Goldens(**state)

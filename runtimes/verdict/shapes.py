@@ -1,0 +1,30 @@
+"""Live shapes and the order validation runs them in: one loaded instance from the largest down
+to the smallest and back up, so state kept from a larger shape cannot hide a bug at a smaller
+one, then a freshly loaded instance at the smallest, which catches what only a first execution
+at a small shape gets wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# One live shape: a size for every dynamic dim, by name.
+LiveShape = dict[str, int]
+# Which loaded instance runs an execution: "reused", the one that runs every shape, or
+# "fresh", one loaded for it.
+REUSED, FRESH = "reused", "fresh"
+
+
+def run_order(shapes: Sequence[LiveShape]) -> list[LiveShape]:
+    """From the largest down to the smallest, then back up, so one instance shrinks and grows."""
+    descending = list(reversed(shapes))
+    return descending + descending[-2::-1]
+
+
+def executions(shapes: Sequence[LiveShape]) -> list[tuple[LiveShape, str]]:
+    """Every execution of the plan, in order, with the instance that runs it; `shapes` smallest
+    first."""
+    return [(shape, REUSED) for shape in run_order(shapes)] + [(shapes[0], FRESH)]
+
+
+def label(shape: LiveShape) -> str:
+    return ",".join(f"{name}={size}" for name, size in shape.items())
