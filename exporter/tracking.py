@@ -35,6 +35,7 @@ from exporter.errors import ExporterError, TrackingFailed, TrackingUnavailable
 from exporter.memory import GB
 from exporter.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import steps
+from runtimes.bundle import MANIFEST
 from runtimes.verdict.shapes import label
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -
             tags = {**_tags(summary), **_step_tags(record)}
             _log_batched(store.client, run_id, {}, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
-        store.client.log_artifacts(run_id, str(record.run_dir))
+        _log_run_dir(store, run_id, record)
         artifact = record.artifact
         if artifact and not artifact.path.is_relative_to(record.run_dir):
             for path in artifact.files():
@@ -114,6 +115,18 @@ def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -
         with _serialized(store.uri):
             store.client.set_terminated(run_id, record.status, end_time=record.ended_ms or now_ms())
     log.info("[track] MLflow run %s (%s) in %s", run_id, record.status, store.uri)
+
+
+def _log_run_dir(store: Store, run_id: str, record: JobRecord) -> None:
+    """The run dir's files; of its bundle only the manifest, which lists the rest: the bundle's
+    artifact is the run's own, and its goldens would only copy the cache's."""
+    for path in sorted(record.run_dir.iterdir()):
+        if record.bundle is not None and path == record.bundle.folder:
+            store.client.log_artifact(run_id, str(path / MANIFEST), path.name)
+        elif path.is_dir():
+            store.client.log_artifacts(run_id, str(path), path.name)
+        else:
+            store.client.log_artifact(run_id, str(path))
 
 
 def end_sweep_run(

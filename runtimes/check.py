@@ -28,8 +28,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runtimes import Loaded, load, verdict
 from runtimes.bundle import Bundle, BundleInvalid, read
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
@@ -132,8 +130,9 @@ def _load_failure(bundle: Bundle, device: str, error: Exception) -> str:
         f"{type(error).__name__}: {error}"
     )
     built_with = bundle.source.get("libraries", {}).get("torch")
-    if built_with and built_with != torch.__version__:
-        message += f" (the artifact was built with torch {built_with}; this is {torch.__version__})"
+    here = _versions().get("torch")
+    if built_with and built_with != here:
+        message += f" (the artifact was built with torch {built_with}; this is torch {here})"
     return message
 
 
