@@ -19,6 +19,10 @@ class OnDevice:
         self._artifact = artifact
         self._device = device
         self.clock = "cuda" if device.type == "cuda" else "cpu"
+        # What ran it, as `Loaded.target` says: a GPU by its name (tags target.cuda_device).
+        self.target = (
+            {"cuda_device": torch.cuda.get_device_name(device)} if self.clock == "cuda" else {}
+        )
 
     def upload(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         resident = [x.to(self._device) for x in inputs]
