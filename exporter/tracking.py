@@ -55,6 +55,16 @@ _HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TI
 # training (tests/mlflow_ui.py's experiment_url).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_DEVELOPMENT = "custom_model_development"
+# The metrics a validation report gives at each live shape's step, and the statistic of each.
+PER_SHAPE_METRICS = {
+    "max_abs_err": "max_abs",
+    "max_rel_err": "max_rel",
+    "nrmse": "nrmse",
+    # Eager's errors at the model's dtype, and the artifact's over them.
+    "ref_max_abs_err": "ref_max_abs",
+    "ref_nrmse": "ref_nrmse",
+    "error_ratio": "ratio",
+}
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,8 @@ def log_target_run(
     if report:
         metrics += report_metrics(report, ended_ms)
     shapes = report.shapes if report else ()
-    with _written(store, run_id):
+    kept = f"{report_file} is unchanged: attach it again once the store can be written."
+    with _written(store, run_id, kept=kept):
         store.client.log_artifact(run_id, str(report_file))
         with _serialized(store.uri):
             _log_batched(store.client, run_id, {}, metrics, {**_step_tags(shapes), **tags})
@@ -240,10 +251,13 @@ def _create_run(
 
 @contextmanager
 def _written(
-    store: Store, run_id: str, failure: type[ExporterError] = TrackingFailed
+    store: Store,
+    run_id: str,
+    failure: type[ExporterError] = TrackingFailed,
+    kept: str = "The run dir keeps the job's results.",
 ) -> Iterator[None]:
     """Writes to a created run: if one fails, the run is closed as FAILED where the store still
-    answers, not left RUNNING, and `failure` is raised."""
+    answers, not left RUNNING, and `failure` is raised, saying what `kept` the results."""
     try:
         yield
     except Exception as error:
@@ -253,8 +267,7 @@ def _written(
         except Exception as closing:
             log.error("[track] MLflow run %s could not be closed either: %s", run_id, closing)
         raise failure(
-            f"MLflow run {run_id} could not be written to {store.uri}: {error}. The run dir "
-            "keeps the job's results."
+            f"MLflow run {run_id} could not be written to {store.uri}: {error}. {kept}"
         ) from error
 
 
@@ -348,15 +361,6 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
         "worst_error_ratio": "ratio",
         "needed_factor": "needed_factor",
     }
-    per_shape = {
-        "max_abs_err": "max_abs",
-        "max_rel_err": "max_rel",
-        "nrmse": "nrmse",
-        # Eager's errors at the model's dtype, and the artifact's over them.
-        "ref_max_abs_err": "ref_max_abs",
-        "ref_nrmse": "ref_nrmse",
-        "error_ratio": "ratio",
-    }
     # NaN: not measured (no eager reference at the model's dtype for a ratio).
     metrics = [
         Metric(metric, report.worst(stat), at, 0)
@@ -366,7 +370,7 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
     for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
         metrics += [
             Metric(metric, result.stats[stat], at, size)
-            for metric, stat in per_shape.items()
+            for metric, stat in PER_SHAPE_METRICS.items()
             if not math.isnan(result.stats[stat])
         ]
     return metrics
