@@ -1,4 +1,6 @@
 """`python -m exporter [group=option ...] [key=value ...]`: compose the job with Hydra, run it.
+`python -m exporter track report=PATH` attaches a target's check to its job's MLflow run
+(exporter/target_run.py).
 
 With `-m`, Hydra runs one job per combination of the options given, through the configured
 launcher (`hydra/launcher=joblib` for parallel jobs); exporter.sweep ties them together.
@@ -17,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import config_store, job_process, sweep
+from exporter import config_store, job_process, sweep, target_run
 from exporter.config import PROJECT_ROOT
 from exporter.errors import ConfigError
 from exporter.record import JobContext
@@ -48,6 +50,8 @@ def run_job(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == [target_run.COMMAND]:
+        sys.exit(target_run.main(sys.argv[2:]))
     try:
         run_job()
     except SystemExit as exit:

@@ -4,7 +4,8 @@ with its status when it ends.
 Through MlflowClient: the run exists from the job's start with its params and Hydra's choices,
 so a job that is stopped or whose process dies still has a run (closed KILLED or FAILED with
 the stage it was in); its figures, files and status are written at the end. Nothing but this
-module talks to the store. A sweep's jobs are nested under the sweep's parent run. Imported only
+module talks to the store. A sweep's jobs are nested under the sweep's parent run, a target's
+check of a job's artifact (`python -m exporter track`) under the job's run. Imported only
 where tracking is on: a job with mlflow=off never imports mlflow.
 
 Jobs of a parallel sweep write to one SQLite file from several processes; SQLite lets one
@@ -18,25 +19,27 @@ import fcntl
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from exporter import tracking_server
 from exporter.comparison import JobSummary
 from exporter.config import MlflowConfig
-from exporter.errors import ExporterError, TrackingFailed, TrackingUnavailable
+from exporter.errors import ConfigError, ExporterError, TrackingFailed, TrackingUnavailable
 from exporter.memory import GB
 from exporter.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import steps
 from runtimes.bundle import MANIFEST
-from runtimes.verdict.shapes import label
+from runtimes.verdict.report import Report
+from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,16 @@ _HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TI
 # training (tests/mlflow_ui.py's experiment_url).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_DEVELOPMENT = "custom_model_development"
+# The metrics a validation report gives at each live shape's step, and the statistic of each.
+PER_SHAPE_METRICS = {
+    "max_abs_err": "max_abs",
+    "max_rel_err": "max_rel",
+    "nrmse": "nrmse",
+    # Eager's errors at the model's dtype, and the artifact's over them.
+    "ref_max_abs_err": "ref_max_abs",
+    "ref_nrmse": "ref_nrmse",
+    "error_ratio": "ratio",
+}
 
 
 @dataclass(frozen=True)
@@ -64,19 +77,47 @@ class Store:
 def open_store(cfg: MlflowConfig) -> Store:
     """Opens the store and its experiment before the job's work, so a bad URI costs nothing;
     a tracking server that does not answer fails in seconds, naming the URI."""
-    if tracking_server.is_server(cfg.tracking_uri):
+    with _opening(cfg.tracking_uri):
+        client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
+        return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
+
+
+def open_job_run(uri: str, run_id: str) -> tuple[Store, Run]:
+    """The store at `uri`, which must exist, and the job's run `run_id` in it; the store's
+    experiment is the run's. ConfigError where the store has no such run."""
+    missing = f"MLflow run {run_id} is not in the store at mlflow.tracking_uri={uri}"
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise ConfigError(f"{missing}: there is no database file there")
+    with _opening(uri):
+        client = MlflowClient(tracking_uri=uri)
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                raise
+            raise ConfigError(
+                f"{missing}; give the store that holds it (mlflow.tracking_uri=URI)"
+            ) from None
+        return Store(client, run.info.experiment_id, uri), run
+
+
+@contextmanager
+def _opening(uri: str) -> Iterator[None]:
+    """Opens the store at `uri` inside, each failure raised as TrackingUnavailable naming it."""
+    if tracking_server.is_server(uri):
         for name, value in _HTTP_RETRIES.items():
             os.environ.setdefault(name, value)
-        tracking_server.probe(cfg.tracking_uri)
+        tracking_server.probe(uri)
     try:
-        with _serialized(cfg.tracking_uri):
-            client = MlflowClient(tracking_uri=_prepared_uri(cfg.tracking_uri))
-            return Store(client, _experiment_id(client, cfg), cfg.tracking_uri)
+        with _serialized(uri):
+            yield
+    except ExporterError:
+        raise
     # Whatever stops the store from opening (a bad URI, a path that cannot be written, a server
     # that answers with an error) surfaces as a different exception type; all mean the same.
     except Exception as error:
         raise TrackingUnavailable(
-            f"cannot open the MLflow store at mlflow.tracking_uri={cfg.tracking_uri}: {error}"
+            f"cannot open the MLflow store at mlflow.tracking_uri={uri}: {error}"
         ) from error
 
 
@@ -104,7 +145,7 @@ def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -
     comparison table say the same, the run dir's files, and its status."""
     with _written(store, run_id):
         with _serialized(store.uri):
-            tags = {**_tags(summary), **_step_tags(record)}
+            tags = {**_tags(summary), **_step_tags(record.report.shapes if record.report else ())}
             _log_batched(store.client, run_id, {}, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
         _log_run_dir(store, run_id, record)
@@ -148,23 +189,75 @@ def end_sweep_run(
             store.client.set_terminated(run_id, status, end_time=now_ms())
 
 
-def _create_run(store: Store, start_ms: int, run_name: str) -> str:
+def child_run_tagged(store: Store, parent_run_id: str, key: str, value: str) -> str | None:
+    """The id of a run nested under `parent_run_id` whose tag `key` is `value`, if one is."""
+    query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}' AND tags.`{key}` = '{value}'"
+    try:
+        with _serialized(store.uri):
+            runs = store.client.search_runs([store.experiment_id], query, max_results=1)
+    except Exception as error:
+        raise TrackingUnavailable(f"cannot search the MLflow store {store.uri}: {error}") from error
+    return runs[0].info.run_id if runs else None
+
+
+def log_target_run(
+    store: Store,
+    parent_run_id: str,
+    run_name: str,
+    tags: Mapping[str, str],
+    report: Report | None,
+    check_s: float,
+    report_file: Path,
+    status: str,
+    started_ms: int,
+) -> str:
+    """Logs a target's check of a job's artifact as a closed run nested under the job's, with
+    `status` (FINISHED or FAILED): the report's figures as the job logs its own, so both plot
+    alike, the check's seconds, `tags` and the report file. `tags` are written last, after the
+    file, so a run that could not be written whole lacks them."""
+    ended_ms = started_ms + round(check_s * 1000)
+    opened = {"status": OUTCOMES["RUNNING"], MLFLOW_PARENT_RUN_ID: parent_run_id}
+    run_id = _create_run(store, started_ms, run_name, opened, TrackingFailed)
+    metrics = [Metric("check_s", check_s, ended_ms, 0)]
+    if report:
+        metrics += report_metrics(report, ended_ms)
+    shapes = report.shapes if report else ()
+    kept = f"{report_file} is unchanged: attach it again once the store can be written."
+    with _written(store, run_id, kept=kept):
+        store.client.log_artifact(run_id, str(report_file))
+        with _serialized(store.uri):
+            _log_batched(store.client, run_id, {}, metrics, {**_step_tags(shapes), **tags})
+            store.client.set_terminated(run_id, status, end_time=ended_ms)
+    log.info("[track] MLflow run %s (%s) in %s", run_id, status, store.uri)
+    return run_id
+
+
+def _create_run(
+    store: Store,
+    start_ms: int,
+    run_name: str,
+    tags: Mapping[str, str] | None = None,
+    failure: type[ExporterError] = TrackingUnavailable,
+) -> str:
     try:
         with _serialized(store.uri):
             run = store.client.create_run(
-                store.experiment_id, start_time=start_ms, run_name=run_name
+                store.experiment_id, start_time=start_ms, tags=tags, run_name=run_name
             )
     except Exception as error:
-        raise TrackingUnavailable(f"cannot create an MLflow run in {store.uri}: {error}") from error
+        raise failure(f"cannot create an MLflow run in {store.uri}: {error}") from error
     return run.info.run_id
 
 
 @contextmanager
 def _written(
-    store: Store, run_id: str, failure: type[ExporterError] = TrackingFailed
+    store: Store,
+    run_id: str,
+    failure: type[ExporterError] = TrackingFailed,
+    kept: str = "The run dir keeps the job's results.",
 ) -> Iterator[None]:
     """Writes to a created run: if one fails, the run is closed as FAILED where the store still
-    answers, not left RUNNING, and `failure` is raised."""
+    answers, not left RUNNING, and `failure` is raised, saying what `kept` the results."""
     try:
         yield
     except Exception as error:
@@ -174,8 +267,7 @@ def _written(
         except Exception as closing:
             log.error("[track] MLflow run %s could not be closed either: %s", run_id, closing)
         raise failure(
-            f"MLflow run {run_id} could not be written to {store.uri}: {error}. The run dir "
-            "keeps the job's results."
+            f"MLflow run {run_id} could not be written to {store.uri}: {error}. {kept}"
         ) from error
 
 
@@ -223,7 +315,8 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
 
 
 def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
-    """The summary's figures, as the comparison table shows them, and the report's per shape."""
+    """The summary's figures, as the comparison table shows them, the report's, and the
+    benchmark's per shape."""
     at = record.ended_ms or now_ms()
     metrics = [Metric(f"{stage}_s", seconds, at, 0) for stage, seconds in summary.seconds.items()]
     metrics += [
@@ -234,8 +327,6 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
         "artifact_bytes": summary.artifact_bytes,
         "delegated_fraction": summary.delegated_fraction,
         "fallback_op_count": summary.fallback_op_count,
-        "worst_max_abs_err": summary.worst_max_abs_err,
-        "worst_nrmse": summary.worst_nrmse,
         "peak_rss_gb": _gb(summary.job_peak_rss_bytes),
         "weight_gb": _gb(summary.weight_bytes),
         "peak_rss_over_weights": summary.peak_rss_over_weights,
@@ -246,26 +337,7 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     }
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
-        report = record.report
-        metrics.append(Metric("needed_atol", report.worst("needed_atol"), at, 0))
-        per_shape = {
-            "max_abs_err": "max_abs",
-            "max_rel_err": "max_rel",
-            "nrmse": "nrmse",
-            # Eager's errors at the model's dtype, and the artifact's over them.
-            "ref_max_abs_err": "ref_max_abs",
-            "ref_nrmse": "ref_nrmse",
-            "error_ratio": "ratio",
-        }
-        for metric, stat in (("worst_error_ratio", "ratio"), ("needed_factor", "needed_factor")):
-            if not math.isnan(report.worst(stat)):
-                metrics.append(Metric(metric, report.worst(stat), at, 0))
-        for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
-            metrics += [
-                Metric(metric, result.stats[stat], at, size)
-                for metric, stat in per_shape.items()
-                if not math.isnan(result.stats[stat])
-            ]
+        metrics += report_metrics(record.report, at)
     if record.benchmark and record.report:
         for timed, size in zip(record.benchmark.shapes, steps(record.report.shapes), strict=True):
             per_shape = {
@@ -279,14 +351,38 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     return metrics
 
 
+def report_metrics(report: Report, at: int) -> list[Metric]:
+    """A validation report's figures, the job's and a target's alike: the worst over the live
+    shapes, and each shape's at its step, so MLflow plots them against the shape."""
+    worst = {
+        "worst_max_abs_err": "max_abs",
+        "worst_nrmse": "nrmse",
+        "needed_atol": "needed_atol",
+        "worst_error_ratio": "ratio",
+        "needed_factor": "needed_factor",
+    }
+    # NaN: not measured (no eager reference at the model's dtype for a ratio).
+    metrics = [
+        Metric(metric, report.worst(stat), at, 0)
+        for metric, stat in worst.items()
+        if not math.isnan(report.worst(stat))
+    ]
+    for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
+        metrics += [
+            Metric(metric, result.stats[stat], at, size)
+            for metric, stat in PER_SHAPE_METRICS.items()
+            if not math.isnan(result.stats[stat])
+        ]
+    return metrics
+
+
 def _gb(size: int | None) -> float | None:
     return None if size is None else size / GB
 
 
-def _step_tags(record: JobRecord) -> dict[str, str]:
+def _step_tags(shapes: Sequence[LiveShape]) -> dict[str, str]:
     """With several dynamic dims a metric's step is the shape's position in the plan; these
     tags say which shape each step is (`step.3` = `batch=8,seq=1`)."""
-    shapes = record.report.shapes if record.report else ()
     if not shapes or len(shapes[0]) < 2:
         return {}
     return {f"step.{n}": label(shape) for n, shape in zip(steps(shapes), shapes, strict=True)}
