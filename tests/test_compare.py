@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from runtimes.verdict.compare import EagerError, OutputStats, Tolerances, compare
-from runtimes.verdict.report import Execution, Report
+from runtimes.verdict.report import Execution, Report, json_safe
 
 
 def test_identical_outputs_pass_with_zero_error() -> None:
@@ -196,3 +197,19 @@ def test_the_reference_rules_failure_message_gives_both_errors_and_the_factor() 
         "rule=reference factor=2 floor=0: seq=4 (nrmse 0.224, eager 0.05; max_abs 0.5, eager "
         "0.1). The smallest validate.factor that would pass them all is 5."
     )
+
+
+def test_a_report_read_back_from_its_json_is_the_same_report_infinities_and_nan_included() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    off = compare("y", torch.tensor([1.0, math.nan]), golden, torch.float32, 0.0, 0.0)
+    unmeasured = compare("z", torch.zeros(3), golden, torch.float32, 0.0, 0.0)
+    report = report_of(off, unmeasured)
+    payload = json.loads(json.dumps(json_safe(report.to_json())))
+
+    again = Report.from_json(payload)
+
+    assert json_safe(again.to_json()) == payload
+    assert again.executions[0].outputs[1].golden_shape == (2,)
+    assert math.isinf(again.executions[0].outputs[0].max_abs)
+    assert math.isnan(again.executions[0].outputs[0].ref_nrmse)
+    assert again.table() == report.table()
