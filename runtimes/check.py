@@ -9,7 +9,8 @@ attaches that report to the run. It imports nothing of the exporter, the model's
 Hydra or MLflow.
 
 Exit codes: 0 every live shape passed, 1 one failed, 2 the bundle is incomplete or a file does
-not match its checksum (the message names the file), 5 the artifact cannot be loaded or run.
+not match its checksum (the message names the file), or the report cannot be written where
+asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from runtimes import Loaded, load, verdict
 from runtimes.bundle import Bundle, BundleInvalid, read
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 
-PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED = 0, 1, 2, 5
+PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130
 REPORT_FILE = "report.json"
 # Distributions whose versions a report records where installed: torch, and the packages the
 # runtimes of this package load artifacts with.
@@ -84,23 +85,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             bundle.tolerances,
             after_each,
         )
+    except KeyboardInterrupt:
+        print("[check] stopped by Ctrl-C; no report written", file=sys.stderr)
+        return STOPPED
     except (_LoadFailed, verdict.ArtifactFailed) as error:
         print(f"[check] {error}", file=sys.stderr)
-        _write(report_path, _check(bundle, device, started, RUNTIME_FAILED, str(error)))
-        print(f"[check] report: {report_path}")
-        return RUNTIME_FAILED
+        payload = _check(bundle, device, started, RUNTIME_FAILED, str(error))
+        return _written(report_path, payload) or RUNTIME_FAILED
     code = PASSED if report.passed else FAILED
-    _write(report_path, _check(bundle, device, started, code, None, report))
-    print(f"[check] report ({report_path}):\n{report.table()}")
+    print(f"[check] verdict per live shape:\n{report.table()}")
     if report.passed:
         print(f"[check] passed at all {len(report.shapes)} live shapes")
     else:
         print(f"[check] FAILED: {report.failure_message()}")
-    return code
+    return _written(report_path, _check(bundle, device, started, code, None, report)) or code
 
 
 class _LoadFailed(Exception):
-    pass
+    """The artifact's runtime could not load it on the device."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,14 +175,25 @@ def _versions() -> Mapping[str, str]:
     return versions
 
 
-def _write(path: Path, payload: Mapping[str, Any]) -> None:
-    """Atomically: a reader sees the old report or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.name)
-    with os.fdopen(handle, "w") as out:
-        json.dump(json_safe(payload), out, indent=2)
-        out.write("\n")
-    os.replace(temporary, path)
+def _written(path: Path, payload: Mapping[str, Any]) -> int | None:
+    """Writes the report atomically (a reader sees the old one or the whole new one); None once
+    written, else the exit code of a place the report cannot go, said on stderr."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.name)
+        with os.fdopen(handle, "w") as out:
+            json.dump(json_safe(payload), out, indent=2)
+            out.write("\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        print(
+            f"[check] cannot write the report to {path}: {error}; give it another place with "
+            "--report PATH",
+            file=sys.stderr,
+        )
+        return BAD_BUNDLE
+    print(f"[check] report written to {path}")
+    return None
 
 
 if __name__ == "__main__":

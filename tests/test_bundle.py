@@ -219,3 +219,15 @@ def test_bundle_off_writes_none(tmp_path: Path) -> None:
     assert job.exit_code == 0, job.output
     assert not (job.run_dir / "bundle").exists()
     assert "bundle" not in job.report()
+
+
+def test_a_report_that_cannot_be_written_is_exit_2_naming_where(
+    mlp_job: CliResult, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    completed = check(mlp_job.run_dir / "bundle", tmp_path / "a-file" / "report.json")
+
+    assert completed.returncode == 2
+    assert f"cannot write the report to {tmp_path / 'a-file' / 'report.json'}" in completed.stderr
+    assert "--report PATH" in completed.stderr
+    assert "Traceback" not in completed.stderr

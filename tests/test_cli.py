@@ -81,7 +81,9 @@ def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: Cl
     # One entry per stage that ran, in the order they ran, whatever that order is.
     stages = list(summary["seconds"])
     assert list(summary["peak_rss_bytes"]) == stages
-    assert set(stages) == {"config", "model", "export", "lower", "goldens", "validate", "benchmark"}
+    assert set(stages) == {
+        "config", "model", "export", "lower", "goldens", "bundle", "validate", "benchmark",
+    }  # fmt: skip
     # The MLP's three float32 layers, 32 -> 64 -> 64 -> 16; the process holds torch besides.
     weights = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16) * 4
     assert summary["weight_bytes"] == weights
