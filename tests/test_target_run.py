@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from exporter.tracking import PER_SHAPE_METRICS
 from tests.conftest import PROJECT_ROOT, mlflow_runs, run_command, tracking_uri_in
+
+# The track command's run on the check's report, and the child run it made.
+Attached = tuple[subprocess.CompletedProcess[str], Run]
 
 MLP_JOB = ("model=mlp", "backend=executorch", "benchmark=off", "validate.localize=off")
 
@@ -92,14 +96,16 @@ def checked(workdir: Path) -> Checked:
 
 
 @pytest.fixture(scope="module")
-def attached(checked: Checked) -> tuple[subprocess.CompletedProcess[str], Run]:
+def attached(checked: Checked) -> Attached:
     """The check's report attached once; the command and the child run it made."""
     completed = track(f"report={checked.report_path}")
     (child,) = checked.children()
     return completed, child
 
 
-def test_a_target_run_is_nested_under_the_job_with_its_figures(checked, attached) -> None:
+def test_a_target_run_is_nested_under_the_job_with_its_figures(
+    checked: Checked, attached: Attached
+) -> None:
     completed, child = attached
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output
@@ -144,7 +150,7 @@ def test_a_target_run_is_nested_under_the_job_with_its_figures(checked, attached
     assert json.loads(Path(downloaded).read_text()) == report
 
 
-def test_attaching_a_report_again_makes_no_second_run(checked, attached) -> None:
+def test_attaching_a_report_again_makes_no_second_run(checked: Checked, attached: Attached) -> None:
     _, child = attached
     before = [run.info.run_id for run in checked.children()]
     again = track(f"report={checked.report_path}", f"mlflow.tracking_uri={checked.tracking_uri}")
@@ -169,7 +175,9 @@ def test_a_failed_check_is_a_failed_run(workdir: Path, checked: Checked) -> None
     assert child.data.metrics["needed_factor"] == strict.report()["shapes"][0]["needed_factor"]
 
 
-def test_a_check_that_could_not_run_the_artifact_is_a_failed_run(checked, attached) -> None:
+def test_a_check_that_could_not_run_the_artifact_is_a_failed_run(
+    checked: Checked, attached: Attached
+) -> None:
     # XNNPACK's program runs on the CPU only: on cuda the check cannot load it (exit code 5).
     on_cuda = check(checked.workdir, checked.job_run, checked.bundle, "cuda", "--device", "cuda")
     assert on_cuda.check_exit_code == 5
@@ -195,7 +203,9 @@ def _with_source_run(checked: Checked, run_id: str | None, name: str) -> Path:
     return path
 
 
-def test_a_store_that_cannot_be_written_exits_7_and_a_retry_attaches(checked, attached) -> None:
+def test_a_store_that_cannot_be_written_exits_7_and_a_retry_attaches(
+    checked: Checked, attached: Attached
+) -> None:
     # A report not attached yet: the same figures, other bytes.
     report = _with_source_run(checked, checked.job_run.info.run_id, "retried.json")
     artifacts = checked.workdir / "mlartifacts"
@@ -260,7 +270,11 @@ def _run_elsewhere(c: Checked) -> tuple[list[str], list[str]]:
     "bad_input",
     [_missing, _job_report, _unknown_key, _no_equals, _no_report, _mlflow_off, _run_elsewhere],
 )
-def test_bad_input_exits_2_naming_it(checked, attached, bad_input) -> None:
+def test_bad_input_exits_2_naming_it(
+    checked: Checked,
+    attached: Attached,
+    bad_input: Callable[[Checked], tuple[list[str], list[str]]],
+) -> None:
     arguments, named = bad_input(checked)
     before = len(checked.children())
     completed = track(*arguments)
