@@ -199,17 +199,13 @@ def execution_line(number: int, total: int, execution: Execution) -> str:
 
 
 def _output_stats(payload: Mapping[str, Any]) -> OutputStats:
+    # float() reads back the "inf" and "nan" that json_safe wrote as strings.
     values = {
-        f.name: _json_float(payload[f.name]) if f.type == "float" else payload[f.name]
+        f.name: float(payload[f.name]) if f.type == "float" else payload[f.name]
         for f in fields(OutputStats)
     }
     values["shape"], values["golden_shape"] = tuple(values["shape"]), tuple(values["golden_shape"])
     return OutputStats(**values)
-
-
-def _json_float(value: float | str) -> float:
-    # json_safe wrote inf and NaN as strings.
-    return float(value)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
