@@ -44,7 +44,10 @@ def run_job(cfg: DictConfig) -> None:
     logging_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
     exit_code = job_process.run(cfg, context, logging_config)
     _exit_codes.append(exit_code)
-    if exit_code > 128:
+    # A job that a launcher runs in a process of its own (submitit's, joblib's) returns: its
+    # summary tells the sweep how it ended, and an exception there would fail the whole sweep.
+    launcher_worker = hydra_cfg.mode == RunMode.MULTIRUN and not sweep.launched()
+    if exit_code > 128 and not launcher_worker:
         # The job has recorded that it was stopped; a sweep's next jobs must not start.
         raise KeyboardInterrupt
 

@@ -10,6 +10,8 @@ the worker's partial files and cache staging folders are removed.
 
 Ctrl-C and SIGTERM (a scheduler's stop) reach the worker through this process, which forwards
 them: the worker runs in a process group of its own, so a terminal's Ctrl-C arrives there once.
+Slurm's warning that a job's time limit is near (exporter/slurm.py) stops neither: the job runs
+on until Slurm's SIGTERM, and its run then says that the time limit stopped it.
 A configuration the schema rejects, or a tracking server that does not answer, is answered
 here, before any worker starts.
 """
@@ -33,7 +35,7 @@ from typing import IO, Any
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, memory, tracking_server
+from exporter import config, interrupts, memory, slurm, tracking_server
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
@@ -82,6 +84,9 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
     progress = _Progress()
     read_end, write_end = os.pipe()
     with _forwarded() as stops:
+        # Slurm sends its warning to every process of the job: the worker ignores it (an ignored
+        # signal stays ignored across exec; a handler would not).
+        signal.signal(slurm.TIME_LIMIT_WARNING, signal.SIG_IGN)
         # A plain subprocess, not multiprocessing: under a launcher's worker (joblib's loky) a
         # multiprocessing child inherits a start method it cannot resolve.
         worker = subprocess.Popen(
@@ -93,6 +98,7 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
             # This process's exporter, whatever the worker's cwd and installed copies.
             env={**_THREAD_WAITS, **os.environ, "PYTHONPATH": _python_path()},
         )
+        signal.signal(slurm.TIME_LIMIT_WARNING, _time_limit_near)
         stops.forward_to(worker)
         os.close(write_end)
         assert worker.stdin is not None
@@ -152,13 +158,25 @@ class _Stops:
 
 @contextlib.contextmanager
 def _forwarded() -> Iterator[_Stops]:
+    """Stops forwarded to the worker while it runs, and Slurm's time-limit warning taken out of
+    submitit's hands (its handler raises wherever this process is, leaving the job's run open
+    and failing the whole sweep); the previous handlers come back after."""
     stops = _Stops()
     previous = {signum: signal.signal(signum, stops.receive) for signum in _STOPS}
+    previous[slurm.TIME_LIMIT_WARNING] = signal.getsignal(slurm.TIME_LIMIT_WARNING)
     try:
         yield stops
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _time_limit_near(signum: int, frame: object) -> None:
+    log.warning(
+        "Slurm says that job %s nears its time limit (%s); it runs on until Slurm stops it",
+        slurm.job_id(),
+        signal.Signals(signum).name,
+    )
 
 
 def _refused(cfg: DictConfig, context: JobContext, record: JobRecord, error: ConfigError) -> int:
@@ -187,7 +205,8 @@ def _died(
     where = f"during the {progress.stage} stage" if progress.stage else "before its first stage"
     if stops:
         record.stopped_by = stops[0]
-        log.error("[%s] stopped by %s", record.stage, signal.Signals(stops[0]).name)
+        record.stop_reason = slurm.stop_reason(stops[0])
+        log.error("[%s] %s", record.stage, record.stop_reason)
     else:
         failure = STAGE_ERRORS[record.stage]
         record.error = failure(

@@ -95,8 +95,10 @@ class JobRecord:
     cache_keys: dict[str, str] = field(default_factory=dict)
     cache_hits: dict[str, bool] = field(default_factory=dict)
     error: ExporterError | None = None
-    # The signal that stopped the job (SIGINT, SIGTERM), if one did.
+    # The signal that stopped the job (SIGINT, SIGTERM), if one did, and why it came where that
+    # is known (Slurm's time limit).
     stopped_by: int | None = None
+    stop_reason: str | None = None
 
     @property
     def exit_code(self) -> int:

@@ -100,8 +100,8 @@ class JobSummary:
             cache_hits=dict(record.cache_hits),
             cache_keys=dict(record.cache_keys),
         )
-        if record.error:
-            summary.error = str(record.error)
+        # A stopped job's error says what stopped it.
+        summary.error = str(record.error) if record.error else record.stop_reason
         if record.job_peak_rss_bytes and record.weight_bytes:
             summary.peak_rss_over_weights = record.job_peak_rss_bytes / record.weight_bytes
         if record.artifact and record.artifact.path.exists():
