@@ -1,0 +1,175 @@
+"""Sweeps on a Slurm cluster through Hydra's submitit launcher (`hydra/launcher=submitit_slurm`),
+as a cluster user runs them: every job is a Slurm job, its run nested under the sweep's parent,
+and a job that Slurm stops at its time limit ends KILLED with that reason.
+
+They need a cluster that answers: `tests/slurm/start.sh` (as root) makes one of this host.
+Without one they skip, unless EXPORTER_REQUIRE_SLURM=1 (CI sets it), which makes that a failure.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SweepResult, run_sweep
+
+# A node in one of these takes jobs.
+_UP = {"idle", "mixed"}
+# What submitit logs on every poll when sacct cannot read Slurm's job accounting.
+_SACCT_FAILED = "status may be inaccurate"
+
+
+def _default_partition() -> str:
+    """The cluster's default partition with a node that takes jobs; skips (or fails, where
+    EXPORTER_REQUIRE_SLURM=1) where there is none."""
+    problem = None
+    if shutil.which("sinfo") is None:
+        problem = "sinfo is not installed"
+    else:
+        listed = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P %T"], capture_output=True, text=True, timeout=30
+        )
+        partitions = [line.split() for line in listed.stdout.splitlines()]
+        defaults = [name[:-1] for name, state in partitions if name.endswith("*") and state in _UP]
+        if defaults:
+            return defaults[0]
+        problem = f"no idle node in a default partition (sinfo: {listed.stdout + listed.stderr!r})"
+    if os.environ.get("EXPORTER_REQUIRE_SLURM") == "1":
+        pytest.fail(f"EXPORTER_REQUIRE_SLURM=1 but no Slurm cluster answers: {problem}")
+    pytest.skip(f"no Slurm cluster answers ({problem}); tests/slurm/start.sh starts one")
+
+
+@pytest.fixture(scope="module")
+def partition() -> str:
+    return _default_partition()
+
+
+def _slurm_sweep(workdir: Path, partition: str, *overrides: str) -> SweepResult:
+    return run_sweep(
+        workdir,
+        workdir / "sweep",
+        "hydra/launcher=submitit_slurm",
+        f"hydra.launcher.partition={partition}",
+        "hydra.launcher.cpus_per_task=1",
+        *overrides,
+    )
+
+
+def _comparison(sweep: SweepResult) -> list[dict[str, str]]:
+    with (sweep.sweep_dir / "comparison.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def _slurm_jobs(sweep: SweepResult) -> dict[str, str]:
+    """State per Slurm job of the sweep, as sacct reads it from the cluster's accounting."""
+    # submitit's folder per Slurm job, named by its id (<array>_<task> for several), holds its logs.
+    logs = (sweep.sweep_dir / ".submitit").glob("*/*_log.out")
+    ids = sorted(path.parent.name for path in logs)
+    jobs = f"--jobs={','.join(ids)}"
+    listed = subprocess.run(
+        ["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State", jobs],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(line.split("|") for line in listed.stdout.splitlines())
+
+
+@pytest.fixture(scope="module")
+def llama_sweep(partition: str, tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
+    """Two Slurm jobs: llama through ExecuTorch, `strict` failing at lowering (the embedding
+    stays on the CPU)."""
+    workdir = tmp_path_factory.mktemp("slurm")
+    return _slurm_sweep(
+        workdir,
+        partition,
+        "hydra.launcher.timeout_min=10",
+        "model=llama",
+        "backend=executorch",
+        "fallback=auto,strict",
+    )
+
+
+# About 30 s: both jobs at once on a 2-core node.
+@pytest.mark.slow
+def test_a_slurm_sweep_runs_each_job_on_the_cluster_and_exits_with_the_failed_jobs_code(
+    llama_sweep: SweepResult,
+) -> None:
+    assert llama_sweep.exit_code == 4, llama_sweep.output
+    assert "Traceback" not in llama_sweep.output
+    assert _SACCT_FAILED not in llama_sweep.output
+    # Each job is a Slurm job that ended on its own, as accounting records it: the failed one
+    # failed in the tool, which returned its exit code to the sweep.
+    assert list(_slurm_jobs(llama_sweep).values()) == ["COMPLETED", "COMPLETED"]
+    # Where the README says: a folder per job in the sweep dir, with its log and files, and
+    # submitit's logs of each Slurm job under .submitit/.
+    sweep_dir = llama_sweep.sweep_dir
+    for job in ("0-llama-executorch", "1-llama-executorch"):
+        for name in ("exporter.log", "config.yaml", "summary.json", ".hydra/overrides.yaml"):
+            assert (sweep_dir / job / name).is_file(), f"{job}/{name}"
+        assert "[lower] started" in (sweep_dir / job / "exporter.log").read_text()
+    assert (sweep_dir / "0-llama-executorch" / "model.pte").stat().st_size > 0
+    assert not (sweep_dir / "1-llama-executorch" / "model.pte").exists()
+    logs = sorted(path.name for path in sweep_dir.glob(".submitit/*_*/*_log.out"))
+    assert len(logs) == 2
+
+
+@pytest.mark.slow
+def test_a_slurm_sweeps_runs_and_comparison_name_the_failed_job(llama_sweep: SweepResult) -> None:
+    parent, children = llama_sweep.parent_and_children()
+    assert parent.info.status == "FAILED"
+    assert parent.data.metrics == {"jobs": 2, "jobs_passed": 1, "jobs_failed": 1}
+    assert [run.info.run_name for run in children] == ["0-llama-executorch", "1-llama-executorch"]
+    passed, failed = children
+    assert passed.info.status == "FINISHED"
+    assert passed.data.metrics["worst_max_abs_err"] < 1e-5
+    assert failed.info.status == "FAILED"
+    assert (failed.data.tags["failed_stage"], failed.data.tags["exit_code"]) == ("lower", "4")
+    assert "strict" in failed.data.tags["error"]
+
+    rows = _comparison(llama_sweep)
+    assert [(r["fallback"], r["status"], r["failed_stage"]) for r in rows] == [
+        ("auto", "passed", ""),
+        ("strict", "failed", "lower"),
+    ]
+    page = (llama_sweep.sweep_dir / "comparison.html").read_text()
+    assert (page.count('<tr class="passed">'), page.count('<tr class="failed">')) == (1, 1)
+
+
+# About 2 minutes: Slurm ends the job 60 to 90 s after its start (slurmctld checks time limits
+# every 30 s), then the sweep concludes. Unstopped, the job would take about 2.5 minutes: a
+# benchmark of 8 s per live shape and contender on mlp's 7 shapes.
+@pytest.mark.slow
+def test_a_job_slurm_stops_at_its_time_limit_ends_killed_with_that_reason(
+    partition: str, tmp_path: Path
+) -> None:
+    sweep = _slurm_sweep(
+        tmp_path,
+        partition,
+        "hydra.launcher.timeout_min=1",
+        "model=mlp",
+        "backend=eager",
+        "benchmark.repeats=1000000",
+        "benchmark.seconds=8",
+    )
+    assert sweep.exit_code == 143, sweep.output
+    assert "Traceback" not in sweep.output
+    assert list(_slurm_jobs(sweep).values()) == ["TIMEOUT"]
+
+    parent, (run,) = sweep.parent_and_children()
+    assert parent.info.status == "FAILED"
+    assert run.info.status == "KILLED"
+    assert (run.data.tags["status"], run.data.tags["exit_code"]) == ("killed", "143")
+    assert run.data.tags["failed_stage"] == "benchmark"
+    assert "stopped by Slurm at its time limit" in run.data.tags["error"]
+
+    (row,) = _comparison(sweep)
+    assert (row["status"], row["failed_stage"]) == ("killed", "benchmark")
+    assert row["error"].startswith("stopped by Slurm at its time limit")
+    page = (sweep.sweep_dir / "comparison.html").read_text()
+    assert page.count('<tr class="killed">') == 1
