@@ -62,6 +62,9 @@ def main() -> None:
         # 1 before any job starts: a configuration error.
         if exit.code not in (0, None) and not (_exit_codes or sweep.launched()):
             sys.exit(ConfigError.exit_code)
+        # Hydra reported a launcher's failure mid-sweep: the sweep still gets its comparison.
+        if sweep.finish_failed_launch():
+            sys.exit(max(sweep.exit_codes()))
         raise
     except KeyboardInterrupt:
         sweep.finish_interrupted()

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 SWEEP_FILE = "sweep.json"
 # A job that left no summary ended without a word: the sweep still exits non-zero.
 _NO_RESULT_EXIT_CODE = 1
+_LOST = (
+    "the job's process ended without recording how the job ended (killed, or its node failed); "
+    "its launcher's log says more (.submitit/ in the sweep dir for submitit)"
+)
 
 
 @dataclass
@@ -70,6 +74,16 @@ def finish_interrupted() -> None:
     """Ctrl-C stopped the sweep: compare the jobs that ended and close the parent as KILLED."""
     if _active:
         _finish(_active.pop(), interrupted=True)
+
+
+def finish_failed_launch() -> bool:
+    """The launcher failed after its jobs ran (submitit raises for a Slurm job that died
+    without its result, killed or on a failed node): the sweep ends as when it completes, the
+    dead jobs as "no result". False where no sweep was running."""
+    if not _active:
+        return False
+    _finish(_active.pop(), interrupted=False)
+    return True
 
 
 class SweepCallback(Callback):
@@ -121,6 +135,15 @@ def _finish(sweep: _Sweep, interrupted: bool) -> None:
     )
     if sweep.store is None or sweep.parent_run_id is None:
         return
+    from exporter import tracking
+
+    if not interrupted:
+        # Every job has ended: a run still open belongs to a job whose process died.
+        for lost in (s for s in summaries if s.exit_code is None):
+            try:
+                tracking.fail_lost_job_run(sweep.store, sweep.parent_run_id, lost.job, _LOST)
+            except ExporterError as error:
+                log.error("[%s] %s", error.stage, error)
     status = "KILLED" if interrupted else ("FAILED" if failed else "FINISHED")
     note = "\n".join(
         f"- {s.job}: {s.status}" + (f" at {s.failed_stage}" if s.failed_stage else "")
@@ -137,8 +160,6 @@ def _finish(sweep: _Sweep, interrupted: bool) -> None:
         "jobs_failed": len(failed),
     }
     files.append(sweep.dir / SWEEP_FILE)
-    from exporter import tracking
-
     try:
         tracking.end_sweep_run(sweep.store, sweep.parent_run_id, status, metrics, tags, files)
     except ExporterError as error:

@@ -28,7 +28,7 @@ from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from exporter import tracking_server
 from exporter.comparison import JobSummary
@@ -187,6 +187,20 @@ def end_sweep_run(
             metric_list = [Metric(key, value, at, 0) for key, value in metrics.items()]
             _log_batched(store.client, run_id, {}, metric_list, tags)
             store.client.set_terminated(run_id, status, end_time=now_ms())
+
+
+def fail_lost_job_run(store: Store, parent_run_id: str, run_name: str, error: str) -> None:
+    """Closes FAILED, with `error`, the run of a sweep's job named `run_name` if it is still
+    RUNNING: its job's process died with no one left to close it."""
+    run_id = child_run_tagged(store, parent_run_id, MLFLOW_RUN_NAME, run_name)
+    if run_id is None:
+        return
+    with _written(store, run_id), _serialized(store.uri):
+        if store.client.get_run(run_id).info.status != "RUNNING":
+            return
+        tags = {"status": OUTCOMES["FAILED"], "error": error}
+        _log_batched(store.client, run_id, {}, [], tags)
+        store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
 
 
 def child_run_tagged(store: Store, parent_run_id: str, key: str, value: str) -> str | None:

@@ -54,7 +54,13 @@ def run_command(
     workdir: Path, *overrides: str, multirun: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """`python -m exporter [-m] OVERRIDES...` with its MLflow store and cache inside `workdir`."""
-    command = [
+    command = command_line(workdir, *overrides, multirun=multirun)
+    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+
+
+def command_line(workdir: Path, *overrides: str, multirun: bool = False) -> list[str]:
+    """The command of run_command, to start it another way."""
+    return [
         sys.executable,
         "-m",
         "exporter",
@@ -66,7 +72,6 @@ def run_command(
         # Last, so a test can override the defaults above.
         *overrides,
     ]
-    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
 
 
 def run_exporter(workdir: Path, *overrides: str) -> CliResult:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SweepResult, run_sweep
+from tests.conftest import PROJECT_ROOT, SweepResult, command_line, run_sweep, tracking_uri_in
 
-# A node in one of these takes jobs.
-_UP = {"idle", "mixed"}
+# A node in one of these takes jobs, now or once its jobs end.
+_UP = {"idle", "mixed", "allocated", "completing"}
 # What submitit logs on every poll when sacct cannot read Slurm's job accounting.
 _SACCT_FAILED = "status may be inaccurate"
 
@@ -38,7 +41,7 @@ def _default_partition() -> str:
         defaults = [name[:-1] for name, state in partitions if name.endswith("*") and state in _UP]
         if defaults:
             return defaults[0]
-        problem = f"no idle node in a default partition (sinfo: {listed.stdout + listed.stderr!r})"
+        problem = f"no node up in a default partition (sinfo: {listed.stdout + listed.stderr!r})"
     if os.environ.get("EXPORTER_REQUIRE_SLURM") == "1":
         pytest.fail(f"EXPORTER_REQUIRE_SLURM=1 but no Slurm cluster answers: {problem}")
     pytest.skip(f"no Slurm cluster answers ({problem}); tests/slurm/start.sh starts one")
@@ -49,15 +52,16 @@ def partition() -> str:
     return _default_partition()
 
 
-def _slurm_sweep(workdir: Path, partition: str, *overrides: str) -> SweepResult:
-    return run_sweep(
-        workdir,
-        workdir / "sweep",
+def _launcher(partition: str) -> list[str]:
+    return [
         "hydra/launcher=submitit_slurm",
         f"hydra.launcher.partition={partition}",
         "hydra.launcher.cpus_per_task=1",
-        *overrides,
-    )
+    ]
+
+
+def _slurm_sweep(workdir: Path, partition: str, *overrides: str) -> SweepResult:
+    return run_sweep(workdir, workdir / "sweep", *_launcher(partition), *overrides)
 
 
 def _comparison(sweep: SweepResult) -> list[dict[str, str]]:
@@ -173,3 +177,46 @@ def test_a_job_slurm_stops_at_its_time_limit_ends_killed_with_that_reason(
     assert row["error"].startswith("stopped by Slurm at its time limit")
     page = (sweep.sweep_dir / "comparison.html").read_text()
     assert page.count('<tr class="killed">') == 1
+
+
+# About 2 minutes: the job is killed 20 to 30 s after its start; submitit sees that it ended,
+# from sacct, within a minute.
+@pytest.mark.slow
+def test_a_slurm_job_whose_processes_are_killed_leaves_no_run_open(
+    partition: str, tmp_path: Path
+) -> None:
+    """Both processes of the job killed at once, as the out-of-memory killer or a node's
+    failure would: nothing in the job can record it, so the sweep does."""
+    sweep_dir = tmp_path / "sweep"
+    overrides = [f"hydra.sweep.dir={sweep_dir}", *_launcher(partition), "model=mlp"]
+    overrides += ["backend=eager", "benchmark.repeats=1000000", "benchmark.seconds=8"]
+    command = command_line(tmp_path, *overrides, multirun=True)
+    sweeping = subprocess.Popen(
+        command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = sweep_dir / "0-mlp-eager" / "exporter.log"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and "[benchmark] started" in log.read_text()):
+        assert time.monotonic() < deadline and sweeping.poll() is None, "the job never benchmarked"
+        time.sleep(1)
+    # The job's command process (submitit's, on this one node) and the worker it started.
+    submitted = f"^{sys.executable} -u -m submitit.core._submit {sweep_dir}"
+    found = subprocess.run(["pgrep", "-f", submitted], capture_output=True, text=True)
+    (job,) = [int(pid) for pid in found.stdout.split()]
+    workers = subprocess.run(["pgrep", "-P", str(job)], capture_output=True, text=True)
+    for pid in [job, *map(int, workers.stdout.split())]:
+        os.kill(pid, signal.SIGKILL)
+    output = sweeping.communicate(timeout=300)[0]
+
+    # submitit reports the job as failed without a result (Hydra prints its traceback); the
+    # sweep still compares its jobs and closes every run.
+    assert sweeping.returncode == 1, output
+    assert "has not produced any output (state: FAILED)" in output
+    sweep = SweepResult(sweeping.returncode, output, sweep_dir, tracking_uri_in(tmp_path))
+    parent, (run,) = sweep.parent_and_children()
+    assert parent.info.status == "FAILED"
+    assert parent.data.metrics == {"jobs": 1, "jobs_passed": 0, "jobs_failed": 1}
+    assert run.info.status == "FAILED"
+    assert "ended without recording how the job ended" in run.data.tags["error"]
+    (row,) = _comparison(sweep)
+    assert row["status"] == "no result"
