@@ -64,12 +64,50 @@ def _slurm_sweep(workdir: Path, partition: str, *overrides: str) -> SweepResult:
     return run_sweep(workdir, workdir / "sweep", *_launcher(partition), *overrides)
 
 
+class _RunningSweep:
+    """A sweep of one slow mlp job started in the background, to act on its Slurm job while
+    it benchmarks: 8 s per live shape and contender on mlp's 7 shapes, about 2.5 minutes
+    unstopped."""
+
+    def __init__(self, workdir: Path, partition: str, *overrides: str) -> None:
+        self.workdir = workdir
+        self.sweep_dir = workdir / "sweep"
+        command = command_line(
+            workdir,
+            f"hydra.sweep.dir={self.sweep_dir}",
+            *_launcher(partition),
+            "model=mlp",
+            "backend=eager",
+            "benchmark.repeats=1000000",
+            "benchmark.seconds=8",
+            *overrides,
+            multirun=True,
+        )
+        self.process = subprocess.Popen(
+            command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def wait_for_benchmark(self) -> None:
+        log = self.sweep_dir / "0-mlp-eager" / "exporter.log"
+        deadline = time.monotonic() + 240
+        while not (log.exists() and "[benchmark] started" in log.read_text()):
+            assert time.monotonic() < deadline, "the job did not reach its benchmark in 4 minutes"
+            assert self.process.poll() is None, self.process.communicate()[0]
+            time.sleep(1)
+
+    def result(self) -> SweepResult:
+        output = self.process.communicate(timeout=300)[0]
+        return SweepResult(
+            self.process.returncode, output, self.sweep_dir, tracking_uri_in(self.workdir)
+        )
+
+
 def _comparison(sweep: SweepResult) -> list[dict[str, str]]:
     with (sweep.sweep_dir / "comparison.csv").open() as file:
         return list(csv.DictReader(file))
 
 
-def _slurm_jobs(sweep: SweepResult) -> dict[str, str]:
+def _slurm_jobs(sweep: SweepResult | _RunningSweep) -> dict[str, str]:
     """State per Slurm job of the sweep, as sacct reads it from the cluster's accounting."""
     # submitit's folder per Slurm job, named by its id (<array>_<task> for several), holds its logs.
     logs = (sweep.sweep_dir / ".submitit").glob("*/*_log.out")
@@ -145,25 +183,25 @@ def test_a_slurm_sweeps_runs_and_comparison_name_the_failed_job(llama_sweep: Swe
     assert (page.count('<tr class="passed">'), page.count('<tr class="failed">')) == (1, 1)
 
 
-# About 2 minutes: Slurm ends the job 60 to 90 s after its start (slurmctld checks time limits
-# every 30 s), then the sweep concludes. Unstopped, the job would take about 2.5 minutes: a
-# benchmark of 8 s per live shape and contender on mlp's 7 shapes.
+# About 1.5 minutes: Slurm ends the job 60 to 90 s after its start (slurmctld checks time
+# limits every 30 s), then the sweep concludes.
 @pytest.mark.slow
 def test_a_job_slurm_stops_at_its_time_limit_ends_killed_with_that_reason(
     partition: str, tmp_path: Path
 ) -> None:
-    sweep = _slurm_sweep(
-        tmp_path,
-        partition,
-        "hydra.launcher.timeout_min=1",
-        "model=mlp",
-        "backend=eager",
-        "benchmark.repeats=1000000",
-        "benchmark.seconds=8",
-    )
+    running = _RunningSweep(tmp_path, partition, "hydra.launcher.timeout_min=1")
+    running.wait_for_benchmark()
+    # submitit's warning that the limit nears (Slurm sends it signal_delay_s before, or with
+    # the SIGTERM where the job started later than that): sent now, so that it surely comes
+    # first. The job runs on.
+    (job,) = _slurm_jobs(running)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    sweep = running.result()
     assert sweep.exit_code == 143, sweep.output
     assert "Traceback" not in sweep.output
     assert list(_slurm_jobs(sweep).values()) == ["TIMEOUT"]
+    log = (sweep.sweep_dir / "0-mlp-eager" / "exporter.log").read_text()
+    assert log.index("nears its time limit") < log.index("stopped by Slurm at its time limit")
 
     parent, (run,) = sweep.parent_and_children()
     assert parent.info.status == "FAILED"
@@ -179,40 +217,28 @@ def test_a_job_slurm_stops_at_its_time_limit_ends_killed_with_that_reason(
     assert page.count('<tr class="killed">') == 1
 
 
-# About 2 minutes: the job is killed 20 to 30 s after its start; submitit sees that it ended,
-# from sacct, within a minute.
+# About 30 s: the job is killed once it benchmarks; submitit sees from sacct that it ended.
 @pytest.mark.slow
 def test_a_slurm_job_whose_processes_are_killed_leaves_no_run_open(
     partition: str, tmp_path: Path
 ) -> None:
     """Both processes of the job killed at once, as the out-of-memory killer or a node's
     failure would: nothing in the job can record it, so the sweep does."""
-    sweep_dir = tmp_path / "sweep"
-    overrides = [f"hydra.sweep.dir={sweep_dir}", *_launcher(partition), "model=mlp"]
-    overrides += ["backend=eager", "benchmark.repeats=1000000", "benchmark.seconds=8"]
-    command = command_line(tmp_path, *overrides, multirun=True)
-    sweeping = subprocess.Popen(
-        command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    log = sweep_dir / "0-mlp-eager" / "exporter.log"
-    deadline = time.monotonic() + 240
-    while not (log.exists() and "[benchmark] started" in log.read_text()):
-        assert time.monotonic() < deadline and sweeping.poll() is None, "the job never benchmarked"
-        time.sleep(1)
+    running = _RunningSweep(tmp_path, partition, "hydra.launcher.timeout_min=10")
+    running.wait_for_benchmark()
     # The job's command process (submitit's, on this one node) and the worker it started.
-    submitted = f"^{sys.executable} -u -m submitit.core._submit {sweep_dir}"
+    submitted = f"^{sys.executable} -u -m submitit.core._submit {running.sweep_dir}"
     found = subprocess.run(["pgrep", "-f", submitted], capture_output=True, text=True)
     (job,) = [int(pid) for pid in found.stdout.split()]
     workers = subprocess.run(["pgrep", "-P", str(job)], capture_output=True, text=True)
     for pid in [job, *map(int, workers.stdout.split())]:
         os.kill(pid, signal.SIGKILL)
-    output = sweeping.communicate(timeout=300)[0]
+    sweep = running.result()
 
     # submitit reports the job as failed without a result (Hydra prints its traceback); the
     # sweep still compares its jobs and closes every run.
-    assert sweeping.returncode == 1, output
-    assert "has not produced any output (state: FAILED)" in output
-    sweep = SweepResult(sweeping.returncode, output, sweep_dir, tracking_uri_in(tmp_path))
+    assert sweep.exit_code == 1, sweep.output
+    assert "has not produced any output (state: FAILED)" in sweep.output
     parent, (run,) = sweep.parent_and_children()
     assert parent.info.status == "FAILED"
     assert parent.data.metrics == {"jobs": 1, "jobs_passed": 0, "jobs_failed": 1}
