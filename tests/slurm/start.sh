@@ -5,7 +5,7 @@
 # packages (the README's test command):
 #     apt-get install -y munge slurmctld slurmd slurm-client slurmdbd mariadb-server
 # It installs nothing, starts only what does not already answer, and returns once `sinfo`
-# shows the node idle, so it can run again on a host where it already ran.
+# shows the node idle (or running jobs), so it can run again on a host where it already ran.
 set -euo pipefail
 
 MARKER="# Written by exporter's tests/slurm/start.sh"
@@ -25,16 +25,18 @@ for command in munged mariadbd slurmdbd slurmctld slurmd sinfo sacctmgr; do
     fi
 done
 
-# Writes $2 into $1 unless the file is someone else's (a real cluster's configuration).
+# Writes $2 into $1 unless the file is someone else's (a real cluster's configuration);
+# succeeds where the file changed.
 write_config() {
     local path=$1 text="$MARKER"$'\n'"$2"
     if [[ -e $path ]] && ! head -n 1 "$path" | grep -qxF "$MARKER"; then
         echo "start.sh: $path exists and is not this script's; not touching this host's Slurm" >&2
         exit 1
     fi
-    if [[ ! -e $path ]] || [[ $(cat "$path") != "$text" ]]; then
-        printf '%s\n' "$text" >"$path"
+    if [[ -e $path ]] && [[ $(cat "$path") == "$text" ]]; then
+        return 1
     fi
+    printf '%s\n' "$text" >"$path"
 }
 
 # Whether the process named in pid file $1 runs.
@@ -42,11 +44,11 @@ running() {
     [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
 }
 
-# Polls command "$@" once a second for up to $TRIES seconds.
+# Polls a command once a second for up to a minute, until it succeeds; $1 says what it waits for.
 wait_for() {
     local what=$1
     shift
-    for _ in $(seq "${TRIES:-60}"); do
+    for _ in $(seq 60); do
         if "$@" >/dev/null 2>&1; then
             return 0
         fi
@@ -64,6 +66,7 @@ chown mysql:mysql /var/log/mysql
 # The cluster (every Slurm command reads it). The node is this host as slurmd sees it (CPUs,
 # sockets, cores, memory).
 NODE=$(slurmd -C | head -n 1)
+SLURM_CONF_CHANGED=false
 write_config /etc/slurm/slurm.conf "ClusterName=$CLUSTER
 SlurmctldHost=$HOST
 SlurmUser=slurm
@@ -87,7 +90,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/none
 $NODE State=UNKNOWN
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP"
+PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP" && SLURM_CONF_CHANGED=true
 
 # munge: Slurm's daemons and commands authenticate each other with it.
 if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
@@ -112,7 +115,7 @@ StorageHost=localhost
 StorageUser=slurm
 StorageLoc=slurm_acct_db
 PidFile=/run/slurmdbd.pid
-LogFile=$LOGS/slurmdbd.log"
+LogFile=$LOGS/slurmdbd.log" || true
 chown slurm:slurm /etc/slurm/slurmdbd.conf
 chmod 600 /etc/slurm/slurmdbd.conf
 if ! running /run/slurmdbd.pid; then
@@ -126,6 +129,9 @@ if ! sacctmgr --noheader --parsable2 list cluster format=cluster | grep -qx "$CL
 fi
 if ! running /run/slurmctld.pid; then
     slurmctld
+elif $SLURM_CONF_CHANGED; then
+    # Daemons of an earlier run read the configuration again.
+    scontrol reconfigure
 fi
 if ! running /run/slurmd.pid; then
     slurmd
