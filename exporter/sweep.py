@@ -82,7 +82,7 @@ def finish_failed_launch() -> bool:
     dead jobs as "no result". False where no sweep was running."""
     if not _active:
         return False
-    _finish(_active.pop(), interrupted=False)
+    _finish(_active.pop(), interrupted=False, launcher_failed=True)
     return True
 
 
@@ -117,13 +117,14 @@ class SweepCallback(Callback):
         _finish(_active.pop(), interrupted=False)
 
 
-def _finish(sweep: _Sweep, interrupted: bool) -> None:
+def _finish(sweep: _Sweep, interrupted: bool, launcher_failed: bool = False) -> None:
     summaries = comparison.collect(sweep.dir)
     title = f"Sweep {sweep.dir.parent.name}/{sweep.dir.name}: {sweep.overrides}"
     files = comparison.write(summaries, title, sweep.dir)
     failed = [s for s in summaries if s.status != "passed"]
     codes = [_NO_RESULT_EXIT_CODE if s.exit_code is None else s.exit_code for s in summaries]
-    exit_code = 130 if interrupted else max(codes, default=0)
+    # A launcher that failed may have run no job at all (sbatch refused them): not a pass.
+    exit_code = 130 if interrupted else max(codes, default=0) or int(launcher_failed)
     _exit_codes.append(exit_code)
     log.info(
         "[sweep] %d jobs, %d passed, %d did not; comparison in %s:\n%s",
@@ -144,7 +145,7 @@ def _finish(sweep: _Sweep, interrupted: bool) -> None:
                 tracking.fail_lost_job_run(sweep.store, sweep.parent_run_id, lost.job, _LOST)
             except ExporterError as error:
                 log.error("[%s] %s", error.stage, error)
-    status = "KILLED" if interrupted else ("FAILED" if failed else "FINISHED")
+    status = "KILLED" if interrupted else ("FAILED" if failed or launcher_failed else "FINISHED")
     note = "\n".join(
         f"- {s.job}: {s.status}" + (f" at {s.failed_stage}" if s.failed_stage else "")
         for s in summaries
