@@ -246,3 +246,22 @@ def test_a_slurm_job_whose_processes_are_killed_leaves_no_run_open(
     assert "ended without recording how the job ended" in run.data.tags["error"]
     (row,) = _comparison(sweep)
     assert row["status"] == "no result"
+
+
+# A few seconds, but it needs the cluster, which CI starts for the slow tests.
+@pytest.mark.slow
+def test_a_sweep_that_slurm_refuses_ends_failed(partition: str, tmp_path: Path) -> None:
+    """sbatch refuses the jobs (`partition` only makes sure that a cluster answers)."""
+    sweep = run_sweep(
+        tmp_path,
+        tmp_path / "sweep",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=no_such_partition",
+        "model=mlp",
+    )
+    assert sweep.exit_code == 1, sweep.output
+    assert "invalid partition specified: no_such_partition" in sweep.output
+    parent, children = sweep.parent_and_children()
+    assert parent.info.status == "FAILED"
+    assert parent.data.metrics == {"jobs": 0, "jobs_passed": 0, "jobs_failed": 0}
+    assert children == []
