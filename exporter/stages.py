@@ -11,7 +11,6 @@ the run dir gets links to them either way.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import shutil
 import socket
@@ -177,7 +176,7 @@ def _bundle(
         "model": job.model.name,
         "dtype": job.model.dtype.value,
         "backend": job.backend.name,
-        "libraries": _versions(("torch", "executorch", "transformers")),
+        "libraries": bundles.versions(("torch", "executorch", "transformers")),
     }
     written = bundles.write(
         record.run_dir / BUNDLE_DIR,
@@ -199,14 +198,6 @@ def _bundle(
         written.folder,
     )
     return written
-
-
-def _versions(distributions: Sequence[str]) -> dict[str, str]:
-    versions = {}
-    for name in distributions:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[name] = importlib.metadata.version(name)
-    return versions
 
 
 def _failure_message(report: validate.Report, record: JobRecord) -> str:

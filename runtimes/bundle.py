@@ -12,7 +12,9 @@ libraries), and every file's size and SHA-256. Copy the folder whole; links are 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -156,6 +158,16 @@ def read(folder: Path) -> Bundle:
     for name, entry in bundle.files.items():
         _verify(folder / name, entry)
     return bundle
+
+
+def versions(distributions: Sequence[str]) -> dict[str, str]:
+    """The installed version of each of `distributions` that is installed: where a bundle was
+    written, and where it is checked."""
+    found = {}
+    for name in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
 
 
 def sha256(path: Path) -> str:

@@ -16,7 +16,6 @@ asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from runtimes import Loaded, load, verdict
-from runtimes.bundle import Bundle, BundleInvalid, read
+from runtimes.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 
 PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130
@@ -132,7 +131,7 @@ def _load_failure(bundle: Bundle, device: str, error: Exception) -> str:
         f"{type(error).__name__}: {error}"
     )
     built_with = bundle.source.get("libraries", {}).get("torch")
-    here = _versions().get("torch")
+    here = versions(_PACKAGES).get("torch")
     if built_with and built_with != here:
         message += f" (the artifact was built with torch {built_with}; this is torch {here})"
     return message
@@ -156,23 +155,13 @@ def _check(
         "device": device,
         "host": socket.gethostname(),
         "platform": platform.platform(),
-        "packages": _versions(),
+        "packages": versions(_PACKAGES),
         "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
         "seconds": time.time() - started,
         "exit_code": exit_code,
         "error": error,
     }
     return payload
-
-
-def _versions() -> Mapping[str, str]:
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 def _written(path: Path, payload: Mapping[str, Any]) -> int | None:
