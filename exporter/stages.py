@@ -122,9 +122,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
                 job, record, artifact, goldens_file or expected, output_names, shapes, tolerances
             )
     with stage(record, "validate", notify):
-        record.weights_audit = audit.audit(
-            artifact.path, artifact.runtime, weights, artifact.data_path
-        )
+        record.weights_audit = audit.audit(artifact, weights)
         del weights
         memory.release_freed()
         report = validate.run(output_names, load, shapes, expected, tolerances)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from exporter import backends, config, export, models
-from exporter.audit import TENSORRT_UNSEEN, WeightsAudit, audit
+from exporter.audit import READERS, TENSORRT_UNSEEN, WeightsAudit, audit
 from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
@@ -52,7 +53,7 @@ def tokens_validation_draws(*overrides: str) -> set[int]:
 
 
 def audited(weights: Weights, artifact: Artifact, path: Path | None = None) -> WeightsAudit:
-    return audit(path or artifact.path, str(artifact.runtime), weights, artifact.data_path)
+    return audit(replace(artifact, path=path) if path else artifact, weights)
 
 
 def rewritten(source: Path, target: Path, old: torch.Tensor, new: torch.Tensor) -> Path:
@@ -128,9 +129,10 @@ def test_one_embedding_row_corrupted_in_the_pte_is_named_with_its_row(
     # The embedding is an unnamed program constant: the one left of its shape and dtype.
     assert mismatch.paired_by == "shape"
     assert (mismatch.rows, mismatch.differing_rows) == (512, 1)
+    assert mismatch.differing_at == (untouched,)
     assert (mismatch.elements, mismatch.differing) == (512 * 64, 64)
     assert mismatch.max_abs == pytest.approx(3.0)
-    assert "1 of 512 rows differ (64 of 32768 elements)" in mismatch.describe()
+    assert f"1 of 512 rows differ (64 of 32768 elements): rows {untouched}," in mismatch.describe()
     assert len(result.checked) == 22
 
 
@@ -194,12 +196,13 @@ def test_external_weights_are_checked_by_name_in_the_ptd(
     corrupted[99, :5] = -corrupted[99, :5]
     shutil.copy(artifact.path, tmp_path / "model.pte")
     rewritten(artifact.data_path, tmp_path / "model.ptd", table, corrupted)
-    result = audit(tmp_path / "model.pte", "executorch", weights, tmp_path / "model.ptd")
+    copy = replace(artifact, path=tmp_path / "model.pte", data_path=tmp_path / "model.ptd")
+    result = audit(copy, weights)
     (mismatch,) = result.mismatched
     assert (mismatch.parameter, mismatch.paired_by) == (name, "name")
     assert (mismatch.differing_rows, mismatch.differing) == (1, 5)
     # Without the .ptd, its weights are unseen, and why.
-    missing = audit(tmp_path / "model.pte", "executorch", weights, tmp_path / "none.ptd")
+    missing = audit(replace(copy, data_path=tmp_path / "none.ptd"), weights)
     assert missing.passed
     assert [u.parameter for u in missing.unseen] == [name]
     assert "outside model.pte" in missing.unseen[0].why
@@ -241,30 +244,36 @@ def test_the_eager_programs_weights_are_checked_by_name(
 ) -> None:
     weights, artifact = llama
     program = artifact.path.parent / export.PROGRAM_FILE
-    result = audit(program, "eager", weights)
+    eager = replace(artifact, path=program, runtime="eager", audit="exported_program")
+    result = audit(eager, weights)
     assert len(result.checked) == 23 and result.passed
 
 
-def test_tensorrt_and_an_unknown_runtime_leave_every_parameter_unseen_with_why(
+def test_tensorrt_leaves_every_parameter_unseen_with_why_and_no_reader_passes_unread(
     llama: tuple[Weights, Artifact],
 ) -> None:
     weights, artifact = llama
-    tensorrt = audit(artifact.path.with_suffix(".ep"), "tensorrt", weights)
+    engine = replace(
+        artifact, path=artifact.path.with_suffix(".ep"), runtime="tensorrt", audit="tensorrt_engine"
+    )
+    tensorrt = audit(engine, weights)
     assert tensorrt.passed and tensorrt.checked == ()
     assert [u.parameter for u in tensorrt.unseen] == list(weights)
     assert {u.why for u in tensorrt.unseen} == {TENSORRT_UNSEEN}
     assert tensorrt.to_json()["unseen"] == list(weights)
-    unknown = audit(artifact.path, "coreml", weights)
-    assert {u.why for u in unknown.unseen} == {"the audit has no reader for coreml"}
+    # A format the audit has no reader for fails the stage, rather than passing every job.
+    with pytest.raises(KeyError, match="coreml"):
+        audit(replace(artifact, audit="coreml"), weights)
+    assert "coreml" not in READERS
 
 
 def test_a_file_that_is_no_program_is_reported_unread(
     llama: tuple[Weights, Artifact], tmp_path: Path
 ) -> None:
-    weights, _artifact = llama
+    weights, artifact = llama
     path = tmp_path / "model.pte"
     path.write_bytes(b"not a program at all")
-    result = audit(path, "executorch", weights)
+    result = audit(replace(artifact, path=path), weights)
     assert result.checked == () and len(result.unseen) == 23
     assert result.unseen[0].why.startswith("the artifact could not be read")
 

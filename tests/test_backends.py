@@ -12,6 +12,7 @@ import pytest
 
 import runtimes
 from exporter import backends, config
+from exporter.audit import READERS
 from exporter.config import BackendConfig
 from exporter.fingerprint import code_of
 from tests.conftest import CONF_DIR, PROJECT_ROOT
@@ -38,6 +39,10 @@ def test_a_backend_module_declares_every_piece(name: str) -> None:
     assert schema.devices and defaults["device"] in schema.devices
     assert module.RUNTIME in runtimes.names()
     assert module.DELEGATE is None or isinstance(module.DELEGATE, str)
+    # The weights audit reads its artifact with the reader it names (no reader fails here,
+    # not every job silently).
+    assert module.AUDIT in READERS, f"{name} declares no weights reader the audit has"
+    assert module.output(schema()).audit == module.AUDIT
     for function in FUNCTIONS:
         assert inspect.isfunction(getattr(module, function)), f"{name} has no {function}()"
 

@@ -1,17 +1,19 @@
 """The weights audit: every constant an artifact carries that came from a model parameter,
 checked against that parameter (exactly, or through a stated cast or permutation).
 
-What it reads, per runtime:
+Each backend declares which reader of `READERS` reads its artifact (its `AUDIT`, carried by the
+artifact):
 
-- executorch, webgpu (.pte): the program's constants, its named data and a .ptd beside it
+- pte (executorch, webgpu): the program's constants, its named data and a .ptd beside it
   (exporter/audit/executorch_files.py), and Vulkan payloads' own constants; XNNPACK's and
   Vulkan's constants are keyed by the SHA-256 of their bytes.
-- aoti (.pt2 package): the pickled weights by name (exporter/audit/aoti_package.py).
-- eager (torch.export .pt2): the program's state dict and constants by name.
-- tensorrt: nothing; every parameter is reported unseen with why (`TENSORRT_UNSEEN`).
+- aoti_package (.pt2 package): the pickled weights by name (exporter/audit/aoti_package.py).
+- exported_program (torch.export .pt2): the program's state dict and constants by name.
+- tensorrt_engine: nothing; every parameter is reported unseen with why (`TENSORRT_UNSEEN`).
 
 A parameter the audit cannot find is unseen, with why, and does not fail the audit; a
 parameter whose constant differs does (exporter/audit/matching.py says how they are tied).
+Constants are compared on the host, wherever the artifact or the model ran.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import struct
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from exporter.audit.matching import Constant, audit_constants, forms, sha256
 from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen, WeightsAudit
 
-__all__ = ["Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
+if TYPE_CHECKING:
+    from exporter.lowering.artifact import Artifact
+
+__all__ = ["READERS", "Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
 
 TENSORRT_UNSEEN = (
     "TensorRT engines hold their weights in TensorRT's serialized form, which only TensorRT "
@@ -42,17 +47,19 @@ _NOT_HELD = (
 )
 
 
-def audit(
-    artifact: Path,
-    runtime: str,
-    weights: Mapping[str, torch.Tensor],
-    data_path: Path | None = None,
-) -> WeightsAudit:
-    """Checks the constants of `artifact` (loaded by the runtimes module `runtime`, its data
-    file `data_path` beside it) against `weights`, the model's parameters and buffers by fully
-    qualified name."""
-    tensors = {name: w for name, w in weights.items() if isinstance(w, torch.Tensor)}
-    result = _audit_tensors(artifact, runtime, tensors, data_path)
+def audit(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
+    """Checks the constants of `artifact` against `weights`, the model's parameters and buffers
+    by fully qualified name."""
+    read = READERS[artifact.audit]
+    # The host's copies: a program exported on the GPU holds its weights there.
+    tensors = {name: w.detach().cpu() for name, w in weights.items() if isinstance(w, torch.Tensor)}
+    runtime = str(artifact.runtime)
+    try:
+        result = read(artifact, tensors)
+    except (OSError, ValueError, IndexError, KeyError, struct.error, zipfile.BadZipFile) as error:
+        # The runtime, loading the same file, fails the job with its own error; the audit
+        # says what it could not read.
+        result = _nothing_read(runtime, tensors, f"the artifact could not be read: {error}")
     # A program's constants may hold script objects (TorchBind): no bytes to compare.
     objects = tuple(
         Unseen(name, f"a {type(w).__name__}, not a tensor: nothing to compare")
@@ -60,24 +67,6 @@ def audit(
         if name not in tensors
     )
     return replace(result, unseen=result.unseen + objects) if objects else result
-
-
-def _audit_tensors(
-    artifact: Path, runtime: str, weights: Mapping[str, torch.Tensor], data_path: Path | None
-) -> WeightsAudit:
-    try:
-        if runtime in ("executorch", "webgpu"):
-            return _executorch(artifact, runtime, weights, data_path)
-        if runtime == "aoti":
-            return _aoti(artifact, weights)
-        if runtime == "eager":
-            return _eager(artifact, weights)
-    except (OSError, ValueError, IndexError, KeyError, struct.error, zipfile.BadZipFile) as error:
-        # The runtime, loading the same file, fails the job with its own error; the audit
-        # says what it could not read.
-        return _nothing_read(runtime, weights, f"the artifact could not be read: {error}")
-    why = TENSORRT_UNSEEN if runtime == "tensorrt" else f"the audit has no reader for {runtime}"
-    return _nothing_read(runtime, weights, why)
 
 
 def _nothing_read(runtime: str, weights: Mapping[str, torch.Tensor], why: str) -> WeightsAudit:
@@ -90,18 +79,18 @@ def _nothing_read(runtime: str, weights: Mapping[str, torch.Tensor], why: str) -
     )
 
 
-def _executorch(
-    artifact: Path, runtime: str, weights: Mapping[str, torch.Tensor], data_path: Path | None
-) -> WeightsAudit:
+def _pte(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
     from exporter.audit.executorch_files import program_constants
 
-    constants = list(program_constants(artifact, data_path))
+    runtime, data_path = str(artifact.runtime), artifact.data_path
+
+    constants = list(program_constants(artifact.path, data_path))
     has_data = data_path is not None and data_path.exists()
     outside: set[str] = set()
     if not has_data:
         from runtimes.executorch import data_outside
 
-        outside = set(data_outside(artifact))
+        outside = set(data_outside(artifact.path))
 
     data_file = data_path.name if data_path is not None else "a data file"
 
@@ -114,7 +103,7 @@ def _executorch(
             for form in forms(parameter)
             if outside and form.permutation != (1, 0)
         ):
-            return f"the program holds it outside {artifact.name}, in {data_file}, not there"
+            return f"the program holds it outside {artifact.path.name}, in {data_file}, not there"
         return _NOT_HELD
 
     keyed = sum(c.key is not None for c in constants)
@@ -128,10 +117,10 @@ def _executorch(
     return _audited(runtime, read, constants, weights, why_unseen)
 
 
-def _aoti(artifact: Path, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
+def _aoti_package(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
     from exporter.audit.aoti_package import package_weights, why_unseen
 
-    constants, declared, pickled = package_weights(artifact)
+    constants, declared, pickled = package_weights(artifact.path)
     read = (
         f"{len(constants)} pickled package weights by name; {len(declared)} constants the "
         "compiled code declares"
@@ -145,13 +134,13 @@ def _aoti(artifact: Path, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
     )
 
 
-def _eager(artifact: Path, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
-    program = torch.export.load(artifact)
+def _exported_program(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
+    program = torch.export.load(artifact.path)
     held = {**program.state_dict, **program.constants}
     constants = [
         Constant(
-            where=f"{artifact.name} {name!r}",
-            data=memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()),
+            where=f"{artifact.path.name} {name!r}",
+            data=memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()),
             dtype=t.dtype,
             shape=tuple(t.shape),
             name=name,
@@ -160,7 +149,7 @@ def _eager(artifact: Path, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
         if isinstance(t, torch.Tensor)
     ]
     read = f"{len(constants)} state dict entries and constants of the exported program by name"
-    return _audited("eager", read, constants, weights, lambda _name: _NOT_HELD)
+    return _audited(str(artifact.runtime), read, constants, weights, lambda _name: _NOT_HELD)
 
 
 def _audited(
@@ -179,3 +168,16 @@ def _audited(
         unseen=tuple(unseen),
         corrupted=tuple(corrupted),
     )
+
+
+def _tensorrt_engine(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
+    return _nothing_read(str(artifact.runtime), weights, TENSORRT_UNSEEN)
+
+
+# Each artifact format's reader, by the name a backend's AUDIT gives.
+READERS: dict[str, Callable[[Artifact, Mapping[str, torch.Tensor]], WeightsAudit]] = {
+    "pte": _pte,
+    "aoti_package": _aoti_package,
+    "exported_program": _exported_program,
+    "tensorrt_engine": _tensorrt_engine,
+}

@@ -55,9 +55,12 @@ def _weights(archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str]) -> Ite
         for fqn, entry in config.items():
             by_file.setdefault(entry[0], []).append((fqn, entry))
         for file, entries in by_file.items():
-            # One file's tensor at a time, and each weight's bytes taken from it.
+            # One file's tensor at a time, and each weight's bytes taken from it. A package
+            # compiled for the GPU pickled its weights there: read them onto the host.
             stored = torch.load(
-                io.BytesIO(_entry(archive, raw, f"{root}data/weights/{file}")), weights_only=True
+                io.BytesIO(_entry(archive, raw, f"{root}data/weights/{file}")),
+                map_location="cpu",
+                weights_only=True,
             )
             for fqn, (_file, shape, stride, offset) in entries:
                 view = torch.as_strided(stored.detach(), shape, stride, offset).contiguous()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen
+from exporter.audit.result import SHOWN, Checked, Corrupted, Mismatch, Unseen
 
 # A constant an unexplained one is paired with by agreement must agree on more than this.
 _MOST_AGREE = 0.5
@@ -210,6 +210,7 @@ def _compare_named(
             float("nan"),
             _rows(parameter),
             _rows(parameter),
+            (),
             "name",
         )
         return
@@ -292,6 +293,9 @@ def _compared(
         inverse = tuple(sorted(range(len(form.permutation)), key=form.permutation.__getitem__))
         differs = stored_differs.permute(inverse)
     rows = _rows(parameter)
+    row_differs = differs.reshape(rows, -1).any(dim=1)
+    # Named by row, or by element in a vector or scalar.
+    named = row_differs if rows > 1 else differs.reshape(-1)
     return Mismatch(
         parameter=name,
         where=constant.where,
@@ -300,7 +304,8 @@ def _compared(
         differing=int(differs.sum()),
         max_abs=float(difference.max()) if difference.numel() else 0.0,
         rows=rows,
-        differing_rows=int(differs.reshape(rows, -1).any(dim=1).sum()),
+        differing_rows=int(row_differs.sum()),
+        differing_at=tuple(named.nonzero().reshape(-1)[:SHOWN].tolist()),
         paired_by=paired_by,
     )
 

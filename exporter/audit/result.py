@@ -13,6 +13,10 @@ class Checked:
     how: str  # "exact", or the transformation: "float32 cast", "transpose", ...
 
 
+# How many differing rows (or elements) a mismatch names.
+SHOWN = 8
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """A constant of the artifact that holds the parameter (so its key or name says), with other
@@ -28,6 +32,9 @@ class Mismatch:
     # output features); 1 for a vector or a scalar.
     rows: int
     differing_rows: int
+    # Where they differ: the first `SHOWN` differing rows (elements of a vector), in order; empty
+    # where the constant holds another shape altogether.
+    differing_at: tuple[int, ...]
     # How the constant was tied to the parameter: "name" (it is stored under the parameter's
     # name), "key" (under the SHA-256 of the parameter's bytes), "shape" (the one constant of
     # its shape and dtype left unexplained) or "closest of its shape".
@@ -41,9 +48,18 @@ class Mismatch:
             else f"{self.differing} of {self.elements} elements differ"
         )
         return (
-            f"{self.parameter}: {rows}, max abs {self.max_abs:.4g}; at {self.where} "
-            f"(compared {self.how}, paired by {self.paired_by})"
+            f"{self.parameter}: {rows}{self._where_they_differ()}, max abs {self.max_abs:.4g}; "
+            f"at {self.where} (compared {self.how}, paired by {self.paired_by})"
         )
+
+    def _where_they_differ(self) -> str:
+        if not self.differing_at:
+            return ""
+        by_row = self.rows > 1
+        unit, count = ("rows", self.differing_rows) if by_row else ("elements", self.differing)
+        shown = ", ".join(str(i) for i in self.differing_at)
+        more = count - len(self.differing_at)
+        return f": {unit} {shown}" + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,7 @@ class WeightsAudit:
                     "differing": m.differing,
                     "rows": m.rows,
                     "differing_rows": m.differing_rows,
+                    "differing_at": list(m.differing_at),
                     "max_abs": m.max_abs,
                     "paired_by": m.paired_by,
                 }

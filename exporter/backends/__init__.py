@@ -54,6 +54,9 @@ class BackendModule(Protocol):
     RUNTIME: str
     # Its backend id in partition reports; None where nothing is delegated.
     DELEGATE: str | None
+    # How the weights audit reads its artifact's weights: a key of exporter.audit.READERS (a
+    # format's reader, or one that says why the format cannot be read). Its `output` passes it on.
+    AUDIT: str
 
     def output(self, backend: Any) -> Output:
         """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""

@@ -38,6 +38,7 @@ class AotiConfig(BackendConfig):
 
 SCHEMA = AotiConfig
 RUNTIME = "aoti"
+AUDIT = "aoti_package"
 DELEGATE = None
 
 
@@ -49,7 +50,7 @@ def check(backend: AotiConfig, fallback: FallbackConfig) -> None:
 
 
 def output(backend: AotiConfig) -> Output:
-    return Output(file="model.pt2", runtime=RUNTIME, device=backend.device)
+    return Output(file="model.pt2", runtime=RUNTIME, audit=AUDIT, device=backend.device)
 
 
 def toolchain(backend: AotiConfig) -> dict[str, str]:

@@ -32,6 +32,7 @@ class EagerConfig(BackendConfig):
 
 SCHEMA = EagerConfig
 RUNTIME = "eager"
+AUDIT = "exported_program"
 DELEGATE = None
 
 
@@ -44,7 +45,7 @@ def check(backend: EagerConfig, fallback: FallbackConfig) -> None:
 def output(backend: EagerConfig) -> Output:
     from exporter.export import PROGRAM_FILE
 
-    return Output(file=PROGRAM_FILE, runtime=RUNTIME, device=backend.device)
+    return Output(file=PROGRAM_FILE, runtime=RUNTIME, audit=AUDIT, device=backend.device)
 
 
 def toolchain(backend: EagerConfig) -> dict[str, str]:

@@ -32,6 +32,7 @@ class ExecutorchConfig(BackendConfig):
 
 SCHEMA = ExecutorchConfig
 RUNTIME = "executorch"
+AUDIT = "pte"
 DELEGATE = "XNNPACK"
 
 
@@ -43,6 +44,7 @@ def output(backend: ExecutorchConfig) -> Output:
     return Output(
         file="model.pte",
         runtime=RUNTIME,
+        audit=AUDIT,
         device="cpu",
         data_file="model.ptd" if backend.external_weights else None,
     )

@@ -93,6 +93,7 @@ class TensorrtConfig(BackendConfig):
 
 SCHEMA = TensorrtConfig
 RUNTIME = "tensorrt"
+AUDIT = "tensorrt_engine"
 DELEGATE = "TensorRT"
 # Where the nodes outside every engine run.
 OUTSIDE = "pytorch"
@@ -141,8 +142,8 @@ _DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
 
 def output(backend: TensorrtConfig) -> Output:
     if backend.dryrun:
-        return Output(file=REPORT_FILE, runtime=None, device="cuda")
-    return Output(file=_FILES[backend.output_format], runtime=RUNTIME, device="cuda")
+        return Output(file=REPORT_FILE, runtime=None, audit=AUDIT, device="cuda")
+    return Output(file=_FILES[backend.output_format], runtime=RUNTIME, audit=AUDIT, device="cuda")
 
 
 def check(backend: TensorrtConfig, fallback: FallbackConfig) -> None:

@@ -37,6 +37,7 @@ class WebgpuConfig(BackendConfig):
 
 SCHEMA = WebgpuConfig
 RUNTIME = "webgpu"
+AUDIT = "pte"
 DELEGATE = "VulkanBackend"
 # The rewrites of exporter/lowering/xnnpack_rewrites.py that keep more of a transformers model
 # on the GPU: the causal mask built from positions, attention as bmm and softmax (SDPA's
@@ -61,7 +62,7 @@ def check(backend: WebgpuConfig, fallback: FallbackConfig) -> None:
 
 
 def output(backend: WebgpuConfig) -> Output:
-    return Output(file="model.pte", runtime=RUNTIME, device=backend.device)
+    return Output(file="model.pte", runtime=RUNTIME, audit=AUDIT, device=backend.device)
 
 
 def toolchain(backend: WebgpuConfig) -> dict[str, str]:

@@ -18,6 +18,9 @@ class Output:
     # to run (a dry run).
     runtime: str | None
     device: str
+    # How the weights audit reads the file's weights: a key of exporter.audit.READERS (the
+    # backend's AUDIT declaration).
+    audit: str
     # A file of the artifact's data (weights) that must lie beside `file`, where the runtime
     # loads it from (ExecuTorch's model.ptd); None where `file` holds everything. A model without
     # weights may leave it unwritten.
@@ -29,6 +32,8 @@ class Artifact:
     path: Path
     runtime: str | None
     device: str
+    # The weights audit's reader of `path` (Output.audit).
+    audit: str
     # None where the backend runs everything itself, or the artifact came pre-built.
     partition: PartitionSummary | None
     # The data file beside `path`, named after it as the runtime looks for it (a pre-built
@@ -42,6 +47,7 @@ class Artifact:
             path=path,
             runtime=output.runtime,
             device=output.device,
+            audit=output.audit,
             partition=partition,
             data_path=data_path,
         )
