@@ -22,7 +22,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from exporter.config import JobConfig
+from exporter.config import JobConfig, MlflowConfig
 from exporter.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,22 +61,29 @@ def register_resolver() -> None:
 
 def writable_dir(path: Path, what: str) -> None:
     """Creates `path` if it is missing; ConfigError unless this process can write in it."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path} is a file, not a folder; {MOVED_BY}.")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"cannot create {what} {path}: {error.strerror}; {MOVED_BY}.") from None
+        raise ConfigError(f"cannot create {what} {path} ({error.strerror}); {MOVED_BY}.") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write in {what} {path}; {MOVED_BY}.")
 
 
 def check_job(job: JobConfig) -> None:
-    """The cache and the MLflow store's local folders can be written (a store on a tracking
-    server is the server's to write)."""
+    """The cache and the MLflow store's local folders can be written."""
     if job.cache:
         writable_dir(Path(job.cache_dir), "the cache (cache_dir)")
-    if not job.mlflow.enabled:
+    check_store(job.mlflow)
+
+
+def check_store(mlflow: MlflowConfig) -> None:
+    """The MLflow store's local folders can be written (a store on a tracking server is the
+    server's to write)."""
+    if not mlflow.enabled:
         return
-    uri = job.mlflow.tracking_uri
+    uri = mlflow.tracking_uri
     if uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         writable_dir(database.parent, "the MLflow store's folder (mlflow.tracking_uri)")
@@ -84,7 +91,7 @@ def check_job(job: JobConfig) -> None:
             raise ConfigError(
                 f"cannot write the MLflow store {database} (mlflow.tracking_uri); {MOVED_BY}."
             )
-    artifacts = job.mlflow.artifact_location
+    artifacts = mlflow.artifact_location
     if artifacts and "://" not in artifacts:
         writable_dir(Path(artifacts), "MLflow's artifact folder (mlflow.artifact_location)")
 

@@ -4,9 +4,11 @@ hold only their job's files, and files that others can read as the umask says.""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,10 +149,12 @@ def test_atomic_writes_and_cache_entries_follow_the_umask(tmp_path: Path) -> Non
     assert stat.S_IMODE((entry / "manifest.json").stat().st_mode) == 0o640
 
 
-def test_jobs_of_the_same_second_get_the_default_run_dir_and_the_next_name(
-    tmp_path: Path,
+@pytest.mark.parametrize(("mode", "folder"), [("run", "runs"), ("sweep", "sweeps")])
+def test_jobs_of_the_same_second_get_the_default_dir_and_the_next_name(
+    tmp_path: Path, mode: str, folder: str
 ) -> None:
-    """The default config's run dir, resolved for two jobs that see the same time."""
+    """The default config's run dir (sweep dir), resolved for two commands that see the same
+    time."""
     outputs.register_resolver()
     OmegaConf.register_new_resolver("project_root", lambda: str(tmp_path), replace=True)
     try:
@@ -160,16 +164,15 @@ def test_jobs_of_the_same_second_get_the_default_run_dir_and_the_next_name(
                 for _ in range(2)
             )
         HydraConfig.instance().set_config(first)
-        first_dir = Path(first.hydra.run.dir)
+        first_dir = Path(first.hydra[mode].dir)
         # Hydra's `now` is read once per config: the second job reads the first one's second.
         OmegaConf.get_cache(second)["now"].update(OmegaConf.get_cache(first)["now"])
         HydraConfig.instance().set_config(second)
-        second_dir = Path(second.hydra.run.dir)
+        second_dir = Path(second.hydra[mode].dir)
     finally:
         HydraConfig.instance().cfg = None
         OmegaConf.register_new_resolver("project_root", lambda: str(EXPORTER_ROOT), replace=True)
-    assert first_dir.parent.parent == tmp_path / "outputs" / "runs"
-    assert first_dir.name.endswith("-mlp-eager")
+    assert first_dir.parent.parent == tmp_path / "outputs" / folder
     assert second_dir == first_dir.with_name(f"{first_dir.name}-2")
     assert first_dir.is_dir()
     assert second_dir.is_dir()
@@ -185,3 +188,56 @@ def test_a_partial_file_in_the_run_dir_is_not_logged(tmp_path: Path) -> None:
     run_id = tracking.start_run(store, "run", record.started_ms, {}, {})
     tracking.end_run(store, run_id, record, JobSummary.of(record, {}))
     assert artifact_paths(store.client, run_id) == ["report.json"]
+
+
+def refused(workdir: Path, *overrides: str, user: list[str] = ()) -> tuple[int, str]:
+    """`python -m exporter model=mlp OVERRIDES` (as `user`, a command prefix, where given): its
+    exit code and output."""
+    command = [*user, *command_line(workdir, "model=mlp", *overrides)]
+    completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    return completed.returncode, completed.stdout + completed.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "folder"),
+    [
+        ("hydra.run.dir", "{file}/run", "the run dir (hydra.run.dir) {file}"),
+        ("cache_dir", "{file}/cache", "the cache (cache_dir) {file}"),
+        ("mlflow.tracking_uri", "sqlite:///{file}/mlflow.db", "(mlflow.tracking_uri) {file}"),
+    ],
+)
+def test_a_place_that_cannot_be_written_exits_2_naming_it_and_the_keys(
+    tmp_path: Path, key: str, value: str, folder: str
+) -> None:
+    # A regular file where a folder should be: root, whom permission bits do not stop, cannot
+    # create folders in it either.
+    file = tmp_path / "outputs"
+    file.write_text("")
+    overrides = [f"hydra.run.dir={tmp_path}/run", f"{key}={value.format(file=file)}"]
+    exit_code, output = refused(tmp_path, *overrides)
+    assert exit_code == 2, output
+    assert folder.format(file=file) in output
+    for moving in ("hydra.run.dir=DIR", "cache_dir=DIR", "mlflow.tracking_uri=sqlite:///FILE"):
+        assert moving in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(),
+    reason="runs the command as nobody, which needs root and setpriv",
+)
+def test_a_read_only_outputs_folder_exits_2_for_a_user_whom_permissions_stop() -> None:
+    # A folder of root's that others may enter but not write, as a shared read-only outputs/.
+    root = Path(tempfile.mkdtemp(prefix="exporter-read-only-"))
+    try:
+        root.chmod(0o555)
+        nobody = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        exit_code, output = refused(root, f"hydra.run.dir={root}/outputs/run", user=nobody)
+    finally:
+        shutil.rmtree(root)
+    assert exit_code == 2, output
+    assert f"cannot create the run dir (hydra.run.dir) {root}/outputs/run (Permission denied)" in (
+        output
+    )
+    assert "Traceback" not in output
