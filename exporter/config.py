@@ -95,7 +95,7 @@ def _check_checkpoint(checkpoint: str) -> None:
     # torch is loaded.
     if not Path(checkpoint).is_dir():
         raise ConfigError(f"model.checkpoint={checkpoint}: no such directory.")
-    hf_checkpoint.read(Path(checkpoint))
+    hf_checkpoint.check(Path(checkpoint))
 
 
 @dataclass

@@ -27,9 +27,9 @@ _TABLES = {
 }
 
 
-def read(directory: Path) -> dict:
-    """The checkpoint's config.json, refused unless transformers itself implements it as a
-    causal LM (model=hf runs no code shipped with a checkpoint)."""
+def check(directory: Path) -> None:
+    """Refuses the checkpoint unless its config.json is one of a causal LM that transformers
+    itself implements (model=hf runs no code shipped with a checkpoint)."""
     config_file = directory / CONFIG_FILE
     if not config_file.is_file():
         raise ConfigError(
@@ -48,7 +48,6 @@ def read(directory: Path) -> dict:
             "object of a model's config."
         )
     _check_model_type(directory, raw)
-    return raw
 
 
 def _check_model_type(directory: Path, raw: dict) -> None:

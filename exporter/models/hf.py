@@ -33,7 +33,7 @@ def read_config(directory: Path) -> PretrainedConfig:
 
     Checked before any weights are read, so a wrong checkpoint fails in a second; its
     config.json was checked when the job was composed (exporter/hf_checkpoint.py)."""
-    hf_checkpoint.read(directory)
+    hf_checkpoint.check(directory)
     # A known model_type with an auto_map as well loads transformers' own class: with
     # trust_remote_code=False, the Auto classes ignore the checkpoint's code.
     try:
