@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,9 +56,9 @@ def logged_files(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two model=mlp jobs under umask 022, released at the same instant, sharing a run dir
-    name, a cache and an MLflow store; the workdir and each job's output."""
+    name, a cache and an MLflow store; the folder that holds them."""
     workdir = tmp_path_factory.mktemp("together")
     overrides = [
         "model=mlp",
@@ -83,11 +82,11 @@ def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, l
     ]
     output = [process.communicate(timeout=600)[0] for process in processes]
     assert [process.returncode for process in processes] == [0, 0], output
-    yield workdir, output
+    return workdir
 
 
 def test_two_jobs_started_at_once_get_two_run_dirs_each_with_its_own_files(two_jobs) -> None:
-    workdir, _ = two_jobs
+    workdir = two_jobs
     run_dirs = sorted((workdir / "runs").iterdir())
     assert [d.name for d in run_dirs] == [SAME_NAME, f"{SAME_NAME}-2"]
     for run_dir in run_dirs:
@@ -100,7 +99,7 @@ def test_two_jobs_started_at_once_get_two_run_dirs_each_with_its_own_files(two_j
 
 
 def test_each_mlflow_run_holds_its_own_job_files_and_no_partial_file(two_jobs) -> None:
-    workdir, _ = two_jobs
+    workdir = two_jobs
     client = MlflowClient(tracking_uri_in(workdir))
     runs = mlflow_runs(tracking_uri_in(workdir))
     assert len(runs) == 2
@@ -120,7 +119,7 @@ def test_each_mlflow_run_holds_its_own_job_files_and_no_partial_file(two_jobs) -
 
 
 def test_under_umask_022_every_file_is_readable_and_every_folder_traversable(two_jobs) -> None:
-    workdir, _ = two_jobs
+    workdir = two_jobs
     # The run dirs, the cache both jobs filled, MLflow's copies of the files, its database.
     folders = [workdir / "runs", workdir / "cache", workdir / "mlartifacts"]
     private = [
