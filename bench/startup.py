@@ -33,6 +33,10 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("min > max", ["dynamic.seq.min=300"]),
     ("negative tolerance", ["validate.atol=-1"]),
     ("no such checkpoint", ["model.checkpoint=/no/such/dir"]),
+    ("model=hf without a checkpoint", ["model=hf"]),
+    ("checkpoint without config.json", ["model=hf", "model.checkpoint={workdir}/empty"]),
+    ("config.json not JSON", ["model=hf", "model.checkpoint={workdir}/broken"]),
+    ("run dir not writable", ["model=mlp", "hydra.run.dir={workdir}/file/run"]),
     ("unknown ATen op", ["model=mlp", "fallback.ops=[aten.nonzeroo.default]"]),
     ("cuda without a GPU", ["model=mlp", "backend=eager", "backend.device=cuda"]),
     ("unreachable MLflow server", ["model=mlp", "mlflow.tracking_uri=http://127.0.0.1:9"]),
@@ -41,10 +45,15 @@ COMMANDS: list[tuple[str, list[str]]] = [
 
 def timed(overrides: list[str], workdir: Path, timeout: float) -> tuple[float, str]:
     """Wall seconds of one `python -m exporter ...` and its exit code (or "timeout")."""
+    overrides = [override.format(workdir=workdir) for override in overrides]
     command = [sys.executable, "-m", "exporter", *overrides]
     if not overrides[0].startswith("--"):
         command += [
-            f"hydra.run.dir={workdir}/run",
+            *(
+                []
+                if any(o.startswith("hydra.run.dir=") for o in overrides)
+                else [f"hydra.run.dir={workdir}/run"]
+            ),
             f"cache_dir={workdir}/cache",
             *(
                 []
@@ -71,6 +80,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
+        # Checkpoints that are not: an empty folder, a config.json that is not JSON; a file
+        # where the run dir's folder should be.
+        (workdir / "empty").mkdir()
+        (workdir / "broken").mkdir()
+        (workdir / "broken" / "config.json").write_text('{"model_type": "llama",')
+        (workdir / "file").write_text("")
         # The store's tables are made once, before anything is timed.
         timed(["validate.atol=-1"], workdir, args.timeout)
         for what, overrides in COMMANDS:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from runtimes.files import follow_umask
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -53,6 +55,8 @@ class Cache:
         entry.parent.mkdir(parents=True, exist_ok=True)
         _remove_orphans(entry.parent)
         staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=_staging_prefix(entry.name)))
+        # Published as the entry: readable by whoever the umask lets read the cache.
+        follow_umask(staging)
         try:
             build(staging)
             _write_manifest(staging, material)

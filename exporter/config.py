@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from exporter import aten_ops
+from exporter import aten_ops, hf_checkpoint
 from exporter.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ class LlamaConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None:
-            _check_directory(self.checkpoint)
+            _check_checkpoint(self.checkpoint)
 
 
 @dataclass
@@ -87,13 +87,15 @@ class HfConfig(ModelConfig):
     checkpoint: str = MISSING
 
     def __post_init__(self) -> None:
-        _check_directory(self.checkpoint)
+        _check_checkpoint(self.checkpoint)
 
 
-def _check_directory(checkpoint: str) -> None:
-    # Here rather than in the builder: a wrong path fails at compose, before torch is loaded.
+def _check_checkpoint(checkpoint: str) -> None:
+    # Here rather than in the builder: a wrong path or config.json fails at compose, before
+    # torch is loaded.
     if not Path(checkpoint).is_dir():
         raise ConfigError(f"model.checkpoint={checkpoint}: no such directory.")
+    hf_checkpoint.check(Path(checkpoint))
 
 
 @dataclass
@@ -462,12 +464,24 @@ class JobConfig:
         return self.validate.factor
 
 
+# What a key that a config group leaves for the user to set takes.
+_MISSING_VALUES = {
+    "model.checkpoint": "DIR, a Hugging Face checkpoint directory written by save_pretrained()",
+}
+
+
 def to_job(cfg: DictConfig) -> JobConfig:
     """The composed config as typed objects; raises ConfigError for keys and values the schema
     rejects."""
     _check_keys(cfg)
     try:
         job: Any = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as error:
+        key = error.full_key
+        raise ConfigError(
+            f"{key} is not set; give it on the command line: "
+            f"{key}={_MISSING_VALUES.get(key, 'VALUE')}."
+        ) from None
     except OmegaConfBaseException as error:
         raise ConfigError(str(error)) from error
     return job

@@ -1,31 +1,15 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never half of it."""
+"""Atomic file writes: a reader sees the old file or the whole new one, never half of it, and
+the file's mode follows the umask (runtimes/files.py, which a target's check uses too)."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from runtimes.files import atomic_path
 
-@contextmanager
-def atomic_path(destination: Path) -> Iterator[Path]:
-    """Yields a temporary path beside `destination`; renames it into place if the block succeeds."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary name keeps the destination's suffix: some writers check it (torch.export.save).
-    handle, temporary = tempfile.mkstemp(
-        dir=destination.parent, prefix=".partial-", suffix=f"-{destination.name}"
-    )
-    os.close(handle)
-    try:
-        yield Path(temporary)
-        os.replace(temporary, destination)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+__all__ = ["atomic_path", "write_bytes", "write_json"]
 
 
 def write_bytes(destination: Path, data: bytes) -> Path:

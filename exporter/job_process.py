@@ -35,11 +35,12 @@ from typing import IO, Any
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, memory, slurm, tracking_server
+from exporter import config, interrupts, memory, outputs, slurm, tracking_server
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
 from exporter.record import JobContext, JobRecord, conclude, keep_traceback, open_run
+from runtimes.files import PARTIAL_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
     record = JobRecord(run_dir=context.run_dir)
     try:
         job = config.to_job(cfg)
+        outputs.check_job(job)
         # Probed here as well as where the worker opens the store: the worker would first spend
         # seconds importing mlflow to find that nobody answers.
         if job.mlflow.enabled and tracking_server.is_server(job.mlflow.tracking_uri):
@@ -231,7 +233,7 @@ def _death(exitcode: int | None) -> str:
 def _remove_partial_files(job: config.JobConfig, run_dir: Path, pid: int | None) -> None:
     """What a worker killed mid-write leaves: its run dir's partial files, and its staging
     folders in the cache."""
-    for path in run_dir.glob(".partial-*"):
+    for path in run_dir.glob(f"{PARTIAL_PREFIX}*"):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -47,6 +47,7 @@ from exporter.validate.reference import reference_device
 from runtimes import Loaded
 from runtimes import bundle as bundles
 from runtimes import load as load_runtime
+from runtimes.files import PARTIAL_PREFIX
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
 from runtimes.verdict.shapes import FRESH, LiveShape, executions, label
@@ -265,7 +266,7 @@ def _localize(
     names = report.output_names
     # A .partial- folder: what a stopped job's worker leaves of it is removed
     # (exporter/job_process.py).
-    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-localize-"))
+    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=f"{PARTIAL_PREFIX}localize-"))
     try:
         program = _program(job, record.run_dir, profiles, work_dir)
 
@@ -353,7 +354,7 @@ def _built(
         entry, record.cache_hits[kind] = cache.fetch(kind, material, build)
         yield entry
         return
-    folder = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=".partial-"))
+    folder = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=PARTIAL_PREFIX))
     try:
         build(folder)
         yield folder

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from exporter import comparison
+from exporter import comparison, outputs
 from exporter.config import mlflow_of
 from exporter.errors import ExporterError
 from exporter.files import write_json
@@ -94,6 +94,7 @@ class SweepCallback(Callback):
         store = parent = None
         try:
             mlflow = mlflow_of(config)
+            outputs.check_store(mlflow)
             if mlflow.enabled:
                 # Imported only where tracking is on: mlflow=off never imports mlflow.
                 from exporter import tracking

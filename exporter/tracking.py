@@ -38,6 +38,7 @@ from exporter.memory import GB
 from exporter.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import steps
 from runtimes.bundle import MANIFEST
+from runtimes.files import PARTIAL_PREFIX
 from runtimes.verdict.report import Report
 from runtimes.verdict.shapes import LiveShape, label
 
@@ -162,6 +163,9 @@ def _log_run_dir(store: Store, run_id: str, record: JobRecord) -> None:
     """The run dir's files; of its bundle only the manifest, which lists the rest: the bundle's
     artifact is the run's own, and its goldens would only copy the cache's."""
     for path in sorted(record.run_dir.iterdir()):
+        # A file being written (or left by a killed writer) is not one of the job's results.
+        if path.name.startswith(PARTIAL_PREFIX):
+            continue
         if record.bundle is not None and path == record.bundle.folder:
             store.client.log_artifact(run_id, str(path / MANIFEST), path.name)
         elif path.is_dir():

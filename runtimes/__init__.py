@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-# Modules of this package that are not runtimes: a helper of runtimes, and the target's check
-# of a bundle (runtimes/check.py) with what it reads and judges.
-_HELPERS = ("on_device", "bundle", "check", "verdict")
+# Modules of this package that are not runtimes: a helper of runtimes, the target's check of a
+# bundle (runtimes/check.py) with what it reads and judges, and how they write files.
+_HELPERS = ("on_device", "bundle", "check", "files", "verdict")
 
 
 class Loaded(Protocol):

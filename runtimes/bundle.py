@@ -17,12 +17,12 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from runtimes.files import atomic_path
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.shapes import LiveShape
@@ -115,11 +115,8 @@ def write(
         f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
     }
     manifest["tolerances"] = asdict(tolerances)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=f"-{MANIFEST}")
-    with os.fdopen(handle, "w") as out:
-        json.dump(manifest, out, indent=2)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, folder / MANIFEST)
+    with atomic_path(folder / MANIFEST) as temporary:
+        temporary.write_text(json.dumps(manifest, indent=2))
     return bundle
 
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -30,6 +28,7 @@ from typing import Any
 
 from runtimes import Loaded, load, verdict
 from runtimes.bundle import Bundle, BundleInvalid, read, versions
+from runtimes.files import atomic_path
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 
 PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130
@@ -168,12 +167,8 @@ def _written(path: Path, payload: Mapping[str, Any]) -> int | None:
     """Writes the report atomically (a reader sees the old one or the whole new one); None once
     written, else the exit code of a place the report cannot go, said on stderr."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=path.name)
-        with os.fdopen(handle, "w") as out:
-            json.dump(json_safe(payload), out, indent=2)
-            out.write("\n")
-        os.replace(temporary, path)
+        with atomic_path(path) as temporary:
+            temporary.write_text(json.dumps(json_safe(payload), indent=2) + "\n")
     except OSError as error:
         print(
             f"[check] cannot write the report to {path}: {error}; give it another place with "

@@ -103,7 +103,7 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
         ("0-mlp-eager", "eager", "passed", ""),
         ("1-mlp-executorch", "executorch", "failed", "lower"),
     ]
-    assert rows[1]["error"] == "fallback=strict: 2 compute nodes would run outside"
+    assert rows[1]["error"] == failed.error
     assert float(rows[0]["worst_max_abs_err"]) == 8.5e-8
     assert float(rows[0]["worst_speedup_vs_eager"]) == 1.0
     assert rows[1]["worst_speedup_vs_eager"] == ""
@@ -141,3 +141,70 @@ def test_a_failed_validation_row_says_where_it_diverged_and_how_many_weights_dif
         ("rsqrt_3 (aten.rsqrt.default)", "0", "26.1"),
         ("not reproduced", "1", ""),
     ]
+
+
+def strict_sweep() -> list[JobSummary]:
+    """`-m fallback=auto,strict` on a model with an op XNNPACK does not take: every column
+    filled as a real sweep fills it."""
+    reason = (
+        "fallback=strict: 2 compute nodes would run outside the XNNPACK delegate:\n"
+        "  aten.nonzero.default x1: data-dependent output shape\n"
+        "  aten.index.Tensor x1: no XNNPACK kernel for boolean indexing\n"
+        "Use fallback=auto (or data_dependent) to let them run outside it."
+    )
+    auto = JobSummary(
+        job="0-masked-executorch",
+        choices={"model": "masked", "backend": "executorch", "fallback": "auto"},
+        status="passed",
+        exit_code=0,
+        worst_max_abs_err=1.1920928955078125e-07,
+        worst_nrmse=3.0517578125e-08,
+        weights_mismatched=0,
+        diverged_at="linear_3 (aten.linear.default)",
+        latency_at_min_ms=0.0421,
+        latency_at_max_ms=0.3119,
+        worst_speedup_vs_eager=0.8731,
+        artifact_bytes=123456789,
+        delegated_fraction=0.8571,
+        seconds={"export": 1.234, "lower": 12.345, "validate": 1.5, "benchmark": 3.25},
+        cache_hits={"export": True, "goldens": True, "lower": False},
+    )
+    strict = JobSummary(
+        job="1-masked-executorch",
+        choices={"model": "masked", "backend": "executorch", "fallback": "strict"},
+        status="failed",
+        exit_code=4,
+        failed_stage="lower",
+        error=reason,
+        seconds={"export": 1.2, "lower": 11.9},
+        cache_hits={"export": True},
+    )
+    return [auto, strict]
+
+
+def test_the_error_cell_keeps_the_whole_reason_in_the_csv_and_the_page(tmp_path: Path) -> None:
+    summaries = strict_sweep()
+    comparison.write(summaries, "Sweep", tmp_path)
+    with (tmp_path / "comparison.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert rows[1]["error"] == summaries[1].error
+    page = (tmp_path / "comparison.html").read_text()
+    assert "aten.index.Tensor x1: no XNNPACK kernel for boolean indexing" in page
+    assert "white-space: pre-wrap" in page
+
+
+def test_the_terminal_table_fits_120_columns_and_names_the_reason(tmp_path: Path) -> None:
+    table = comparison.text(strict_sweep())
+    lines = table.splitlines()
+    assert max(map(len, lines)) <= 120, table
+    header, _, passed_row, failed_row = lines
+    assert header.split()[:5] == ["job", "fallback", "status", "stage", "max_abs"]
+    assert "fallback=strict: 2 compute nodes" in failed_row
+    assert failed_row.rstrip().endswith("…")
+    assert "1.19e-07" in passed_row
+
+
+def test_a_narrow_terminal_drops_the_least_telling_columns_first() -> None:
+    table = comparison.text(strict_sweep(), width=80)
+    assert max(map(len, table.splitlines())) <= 80, table
+    assert table.splitlines()[0].split() == ["job", "fallback", "status", "error"]

@@ -4,6 +4,8 @@ the builder and through the whole job; and the checkpoints it refuses."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from exporter.config import DimBounds, HfConfig, ModelDtype
 from exporter.errors import ConfigError
 from exporter.models import DynamicDim
 from exporter.validate.plan import plan
-from tests.conftest import CliResult
+from tests.conftest import PROJECT_ROOT, CliResult, command_line
 from tests.test_cli import assert_user_error, planned
 from tests.test_models import small_llama
 
@@ -242,5 +244,49 @@ def test_a_missing_checkpoint_directory_exits_2_at_compose(
     assert_user_error(result, 2, "model.checkpoint=/no/such/dir: no such directory")
 
 
-def test_model_hf_without_a_checkpoint_exits_2(exporter_cli: Callable[..., CliResult]) -> None:
-    assert_user_error(exporter_cli("model=hf"), 2, "model.checkpoint")
+def test_model_hf_without_a_checkpoint_exits_2_saying_what_to_set(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("model=hf")
+    assert_user_error(result, 2, "model.checkpoint is not set", "model.checkpoint=DIR")
+    assert "Missing mandatory value" not in result.output
+    assert not (result.run_dir / "traceback.txt").exists()
+
+
+# Runs the command and says, as it exits, whether its process imported torch.
+WATCHING_IMPORTS = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules))
+sys.argv = ["exporter", *sys.argv[1:]]
+from exporter import cli
+cli.main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("config_json", "message"),
+    [
+        (None, "not a Hugging Face checkpoint (no config.json)"),
+        ('{"model_type": "llama",', "config.json is not JSON"),
+        ('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}', "has no causal"),
+        ('{"model_type": "my_llm"}', "model_type 'my_llm' is not one transformers"),
+    ],
+)
+def test_a_checkpoints_config_json_is_refused_before_torch_loads(
+    tmp_path: Path, config_json: str | None, message: str
+) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    if config_json is not None:
+        (checkpoint / "config.json").write_text(config_json)
+    overrides = ["model=hf", f"model.checkpoint={checkpoint}", f"hydra.run.dir={tmp_path}/run"]
+    command = [sys.executable, "-c", WATCHING_IMPORTS, *command_line(tmp_path, *overrides)[3:]]
+    completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 2, output
+    assert f"model.checkpoint={checkpoint}: " in output
+    assert message in output
+    # Neither this process nor a job's worker (whose config stage would log) loaded torch.
+    assert "torch imported: False" in output
+    assert "[config] started" not in (tmp_path / "run" / "exporter.log").read_text()
+    assert not (tmp_path / "mlflow.db").exists()

@@ -38,6 +38,22 @@ COLUMNS = (
     "error",
 )
 _STAGES = ("export", "lower", "validate", "localize", "benchmark")
+# A terminal's table: after the job, its choices and its status, the columns that tell jobs
+# apart at a glance, under short names, most telling first (the last ones go where a terminal is
+# too narrow); comparison.csv and comparison.html have every column.
+TERMINAL_WIDTH = 120
+TERMINAL_COLUMNS = (
+    ("stage", "failed_stage"),
+    ("max_abs", "worst_max_abs_err"),
+    ("nrmse", "worst_nrmse"),
+    ("speedup", "worst_speedup_vs_eager"),
+    ("ms@max", "latency_at_max_ms"),
+    ("MB", "artifact_bytes"),
+    ("delegated", "delegated_fraction"),
+    ("cache", "cache_hit"),
+)
+# The characters of a failed job's error that a terminal's table keeps at least.
+_ERROR_WIDTH = 36
 
 
 def distinguishing_groups(summaries: Sequence[JobSummary]) -> list[str]:
@@ -68,8 +84,8 @@ def rows(summaries: Sequence[JobSummary]) -> tuple[list[str], list[list[object]]
         values = {
             **{f"{stage}_s": summary.seconds.get(stage) for stage in _STAGES},
             "cache_hit": ",".join(k for k, hit in summary.cache_hits.items() if hit) or None,
-            # The first line is the message; the rest is the detail the run dir keeps.
-            "error": (summary.error or "").split("\n", 1)[0] or None,
+            # Whole: its later lines are the detail (the ops that stayed outside, ...).
+            "error": summary.error or None,
         }
         table.append(
             [summary.job]
@@ -79,14 +95,54 @@ def rows(summaries: Sequence[JobSummary]) -> tuple[list[str], list[list[object]]
     return ["job", *choice_columns, *COLUMNS], table
 
 
-def text(summaries: Sequence[JobSummary]) -> str:
+def text(summaries: Sequence[JobSummary], width: int = TERMINAL_WIDTH) -> str:
+    """The table for a terminal, at most `width` characters wide: the job, its distinguishing
+    choices, its status, the columns of TERMINAL_COLUMNS under short names and the error's
+    first line, clipped; columns are dropped from the end of TERMINAL_COLUMNS until it fits."""
     headers, table = rows(summaries)
-    shown = [h for h in headers if h != "error"]
+    index = {header: n for n, header in enumerate(headers)}
+    leading = ["job", *distinguishing_groups(summaries), "status"]
+    errors = [_first_line(row[index["error"]]) for row in table]
+    # The reason a job failed says more than its figures: they make room for it.
+    reserved = _ERROR_WIDTH + 2 if any(errors) else 0
+    columns = list(TERMINAL_COLUMNS)
+    while True:
+        shown = leading + [name for name, _ in columns]
+        cells = [
+            [_format(row[index[h]]) for h in leading]
+            + [_terminal_format(row[index[column]], column) for _, column in columns]
+            for row in table
+        ]
+        plain = tabulate(cells, headers=shown, disable_numparse=True)
+        if _width(plain) + reserved <= width or not columns:
+            break
+        columns.pop()
+    if not any(errors):
+        return plain
+    room = max(width - _width(plain) - 2, len("error"))
     return tabulate(
-        [[_format(v) for h, v in zip(headers, row, strict=True) if h != "error"] for row in table],
-        headers=shown,
+        [[*row, _clip(error, room)] for row, error in zip(cells, errors, strict=True)],
+        headers=[*shown, "error"],
         disable_numparse=True,
     )
+
+
+def _terminal_format(value: object, column: str) -> str:
+    if column == "artifact_bytes" and isinstance(value, int):
+        return f"{value / 1e6:.3g}"
+    return _format(value)
+
+
+def _first_line(error: object) -> str:
+    return str(error).split("\n", 1)[0] if error else ""
+
+
+def _clip(line: str, room: int) -> str:
+    return line if len(line) <= room else line[: room - 1] + "…"
+
+
+def _width(table: str) -> int:
+    return max(map(len, table.splitlines()), default=0)
 
 
 def write_csv(summaries: Sequence[JobSummary], folder: Path) -> Path:
@@ -122,6 +178,7 @@ def write_html(
 body {{ font-family: sans-serif; margin: 1.5em; }}
 table {{ border-collapse: collapse; font-size: 13px; }}
 th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; max-width: 36em; }}
+td {{ white-space: pre-wrap; overflow-wrap: anywhere; vertical-align: top; }}
 tr.passed td {{ background: #eef8ee; }}
 tr.failed td, tr.killed td, tr.no-result td {{ background: #fbe9e9; }}
 img {{ max-width: 48%; margin: 1em 1% 0 0; }}

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
+from exporter import hf_checkpoint
 from exporter.config import HfConfig
 from exporter.errors import ConfigError
 from exporter.models.bundle import ModelDeclaration, torch_dtype
@@ -33,33 +31,9 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
 def read_config(directory: Path) -> PretrainedConfig:
     """The checkpoint's config, refused unless transformers itself implements it as a causal LM.
 
-    Checked before any weights are read, so a wrong checkpoint fails in a second."""
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"model.checkpoint={directory}: not a Hugging Face checkpoint (no config.json); "
-            "point it at a directory written by save_pretrained()."
-        )
-    try:
-        raw = json.loads(config_file.read_text())
-    except ValueError as error:
-        raise ConfigError(
-            f"model.checkpoint={directory}: config.json is not JSON: {error}"
-        ) from error
-    model_type = raw.get("model_type")
-    # Read from the file rather than left to AutoConfig, whose answer for these is an offer to
-    # run the checkpoint's own Python (trust_remote_code=True) or to upgrade from the network.
-    if model_type not in CONFIG_MAPPING:
-        why = (
-            "its config.json maps it to code shipped with the checkpoint (auto_map)"
-            if "auto_map" in raw
-            else "it would need code shipped with the checkpoint or another transformers"
-        )
-        raise ConfigError(
-            f"model.checkpoint={directory}: model_type {model_type!r} is not one transformers "
-            f"{transformers.__version__} implements; {why}, and model=hf refuses remote code "
-            "(trust_remote_code=False). Use a checkpoint of an architecture transformers ships."
-        )
+    Checked before any weights are read, so a wrong checkpoint fails in a second; its
+    config.json was checked when the job was composed (exporter/hf_checkpoint.py)."""
+    hf_checkpoint.check(directory)
     # A known model_type with an auto_map as well loads transformers' own class: with
     # trust_remote_code=False, the Auto classes ignore the checkpoint's code.
     try:
@@ -70,25 +44,14 @@ def read_config(directory: Path) -> PretrainedConfig:
         raise ConfigError(
             f"model.checkpoint={directory}: cannot read its config: {error}"
         ) from error
-    _check_causal_lm(directory, config)
-    return config
-
-
-def _check_causal_lm(directory: Path, config: PretrainedConfig) -> None:
-    # AutoModelForCausalLM maps some encoders too (bert -> BertLMHeadModel); the architecture the
-    # checkpoint was saved from says whether its weights hold a causal-LM head, or whether one
-    # would be drawn at random.
+    # Again with transformers' own classes, where the composed check read their tables as text.
     saved_as = config.architectures or []
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or (
         saved_as and not causal.intersection(saved_as)
     ):
-        architecture = f" (saved as {', '.join(saved_as)})" if saved_as else ""
-        raise ConfigError(
-            f"model.checkpoint={directory}: model_type {config.model_type!r}{architecture} has "
-            "no causal-LM head (an encoder-only, encoder-decoder or headless model); model=hf "
-            "exports causal LMs, the checkpoints AutoModelForCausalLM loads."
-        )
+        raise ConfigError(hf_checkpoint.no_causal_lm_head(directory, config.model_type, saved_as))
+    return config
 
 
 def load(directory: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
