@@ -182,7 +182,13 @@ def test_a_partial_file_in_the_run_dir_is_not_logged(tmp_path: Path) -> None:
     write_bytes(run_dir / "report.json", b"{}")
     # What a writer still writing (or killed mid-write) leaves beside the job's files.
     (run_dir / ".partial-1234-latency_vs_size.png").write_bytes(b"half")
-    store = tracking.open_store(MlflowConfig(enabled=True, tracking_uri=tracking_uri_in(tmp_path)))
+    store = tracking.open_store(
+        MlflowConfig(
+            enabled=True,
+            tracking_uri=tracking_uri_in(tmp_path),
+            artifact_location=str(tmp_path / "artifacts"),
+        )
+    )
     record = JobRecord(run_dir=run_dir)
     run_id = tracking.start_run(store, "run", record.started_ms, {}, {})
     tracking.end_run(store, run_id, record, JobSummary.of(record, {}))
