@@ -25,6 +25,7 @@ from exporter.localize import FirstDivergence, NodeError
 from exporter.lowering.partition import DELEGATED, NodePlacement, PartitionSummary
 from exporter.repair import keep_out
 from tests.conftest import CliResult, run_exporter
+from tests.test_cli import assert_user_error
 
 GELU = "aten.gelu.default"
 # Inputs of the one-op lowering, as the issue measured them.
@@ -246,3 +247,14 @@ def test_the_override_is_named_only_where_keeping_the_op_out_can_help(
 def test_an_op_already_kept_out_is_not_suggested_again() -> None:
     fallback = FallbackConfig(policy=FallbackPolicy.auto, ops=[GELU])
     assert keep_out(divergence(GELU), partition(DELEGATED), fallback) is None
+
+
+@pytest.mark.parametrize(
+    ("override", "allowed"),
+    [("fallback.wrong_kernels=sometimes", "avoid, allow"), ("validate.repair=maybe", "off, auto")],
+)
+def test_an_unknown_setting_is_refused_naming_the_key(
+    override: str, allowed: str, tmp_path: Path
+) -> None:
+    result = run_exporter(tmp_path, override)
+    assert_user_error(result, 2, override.split("=")[0], allowed)
