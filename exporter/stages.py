@@ -122,7 +122,12 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         _write_report(record)
         log.info("[localize] %s", "\n".join(record.localization.lines()))
     if not (report.passed and record.weights_audit.passed):
-        keep_out = repair.keep_out(record.localization, artifact.partition, job.fallback)
+        # Weights that differ are no kernel's doing: no op to keep out.
+        keep_out = (
+            repair.keep_out(record.localization, artifact.partition, job.fallback)
+            if record.weights_audit.passed
+            else None
+        )
         message = _failure_message(report, record, keep_out)
         if keep_out is None or job.validate.repair is config.RepairMode.off:
             raise ValidationFailed(message)
