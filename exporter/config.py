@@ -203,6 +203,15 @@ class FallbackPolicy(Enum):
     data_dependent = "data_dependent"
 
 
+class WrongKernels(Enum):
+    """Ops a backend's delegate is known to compute as another function than the op asks
+    (exporter/lowering/xnnpack_rewrites.py): `avoid` rewrites each into ops the delegate computes
+    right, `allow` lets the delegate take them as its partitioner would."""
+
+    avoid = "avoid"
+    allow = "allow"
+
+
 @dataclass
 class FallbackConfig:
     """Where ops the backend cannot or must not run go: one vocabulary that each backend maps to
@@ -213,11 +222,13 @@ class FallbackConfig:
     `data_dependent`: like auto, and every node whose output shape depends on tensor values
     (nonzero, boolean indexing, masked_select, unique...) stays off the backend.
     `ops` forces the named ATen ops ("aten.nonzero.default") off the backend; `min_block_size`
-    is the fewest compute nodes a delegated block may have."""
+    is the fewest compute nodes a delegated block may have; `wrong_kernels` what becomes of ops
+    the backend is known to compute wrongly."""
 
     policy: FallbackPolicy = MISSING
     ops: list[str] = field(default_factory=list)
     min_block_size: int = 1
+    wrong_kernels: WrongKernels = WrongKernels.avoid
 
     def __post_init__(self) -> None:
         if self.min_block_size < 1:
@@ -246,6 +257,7 @@ class FallbackConfig:
             "data_dependent_off": self.policy is FallbackPolicy.data_dependent,
             "ops": sorted(self.ops),
             "min_block_size": self.min_block_size,
+            "wrong_kernels": self.wrong_kernels.value,
         }
 
 
@@ -299,6 +311,16 @@ class LocalizeMode(Enum):
     off = "off"
 
 
+class RepairMode(Enum):
+    """What a failed job does when its first diverging node is an op the backend's delegate
+    computes otherwise while the node's inputs agree (exporter/repair.py): `off` names the
+    override that keeps the op out of the delegate, `auto` also lowers again with it, validates
+    that artifact and ends with its verdict."""
+
+    off = "off"
+    auto = "auto"
+
+
 # The reference rule's factor per model dtype when `validate.factor` is not set. In float32 the
 # error is a few ulps, and an artifact that sums in another order (XNNPACK's blocking, against
 # eager's) was measured at up to 3.7 times eager's (a tiny Gemma); any real mistake is hundreds
@@ -331,6 +353,7 @@ class ValidateConfig:
     random_shapes: int = 2
     seed: int = 0
     localize: LocalizeMode = LocalizeMode.auto
+    repair: RepairMode = RepairMode.off
 
 
 @dataclass

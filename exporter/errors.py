@@ -77,6 +77,8 @@ STAGE_ERRORS: dict[str, type[ExporterError]] = {
     "validate": RuntimeFailed,
     # The search reports its own failures; what escapes it is a bug in it, not in the artifact.
     "localize": ValidationFailed,
+    # Lowering again with an op kept out of the delegate, then validating that artifact.
+    "repair": LoweringFailed,
     "benchmark": RuntimeFailed,
     "track": TrackingFailed,
 }

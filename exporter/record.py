@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from exporter.benchmark import Benchmark
     from exporter.export import Diagnosis
     from exporter.localize import Localization
+    from exporter.repair import Repair
     from exporter.tracking import Store
     from exporter.validate import Report
     from runtimes.bundle import Bundle
@@ -89,6 +90,9 @@ class JobRecord:
     weights_audit: WeightsAudit | None = None
     # Where the artifact first diverges (validate.localize), or why that is not known.
     localization: Localization | None = None
+    # validate.repair=auto at work: the first artifact's failure and the override it was
+    # lowered again with (the record's artifact, report and audit are then the repaired one's).
+    repair: Repair | None = None
     benchmark: Benchmark | None = None
     # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
     # the cache.

@@ -11,6 +11,7 @@ the run dir gets links to them either way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import socket
@@ -33,6 +34,7 @@ from exporter import (
     localize,
     memory,
     models,
+    repair,
     validate,
 )
 from exporter.backends import Artifact
@@ -104,7 +106,82 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
         return
+    tolerances = validate.Tolerances(
+        job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
+    )
+    goldens_source = goldens_file or expected
+    if job.bundle:
+        with stage(record, "bundle", notify):
+            record.bundle = _bundle(
+                job, record, artifact, goldens_source, output_names, shapes, tolerances
+            )
+    with stage(record, "validate", notify):
+        report = _validated(record, artifact, weights, output_names, shapes, expected, tolerances)
+    if _localizes(job.validate.localize, report):
+        with stage(record, "localize", notify):
+            record.localization = _localize(job, record, report, expected, tolerances, profiles)
+        _write_report(record)
+        log.info("[localize] %s", "\n".join(record.localization.lines()))
+    if not (report.passed and record.weights_audit.passed):
+        # Weights that differ are no kernel's doing: no op to keep out.
+        keep_out = (
+            repair.keep_out(record.localization, artifact.partition, job.fallback)
+            if record.weights_audit.passed
+            else None
+        )
+        message = _failure_message(report, record, keep_out)
+        if keep_out is None or job.validate.repair is config.RepairMode.off:
+            raise ValidationFailed(message)
+        log.warning("[validate] %s", message)
+        record.repair = repair.Repair(
+            keep_out, message, _report_payload(record), record.cache_keys.get("lower")
+        )
+        # What the search found is the first artifact's; it stays in the repair's record.
+        record.localization = None
+        with stage(record, "repair", notify):
+            log.info("[repair] lowering again with %s", keep_out.override)
+            exported = export.load(record.run_dir, profiles)
+            weights = {**exported.program.state_dict, **exported.program.constants}
+            repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
+            artifact = _lower(cache, record, repaired_job, exported, export_material)
+            del exported
+            record.artifact = artifact
+            if job.bundle:
+                record.bundle = _bundle(
+                    job, record, artifact, goldens_source, output_names, shapes, tolerances
+                )
+            report = _validated(
+                record, artifact, weights, output_names, shapes, expected, tolerances
+            )
+        record.repair.passed = report.passed and record.weights_audit.passed
+        _write_report(record)
+        if not record.repair.passed:
+            raise ValidationFailed(
+                f"validate.repair=auto lowered again with {keep_out.override}, and that "
+                f"artifact fails too: {_failure_message(report, record)} The first artifact: "
+                f"{message}"
+            )
+        log.info(
+            "[repair] the artifact lowered again with %s passes; the first one failed: %s",
+            keep_out.override,
+            message,
+        )
+    log.info("[validate] passed at all %d live shapes", len(report.shapes))
+    if not job.benchmark.enabled:
+        return
+    with stage(record, "benchmark", notify):
+        record.benchmark = benchmark.run(
+            shapes,
+            lambda shape: expected.cases[label(shape)][0],
+            benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact)),
+            _eager(run_dir, job, report.target),
+            job.benchmark,
+        )
+    _write_report(record)
+    log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
 
+
+def _loader(artifact: Artifact) -> Callable[[], Loaded]:
     def load() -> Loaded:
         try:
             return load_runtime(artifact.path, artifact.runtime, artifact.device)
@@ -114,43 +191,30 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    tolerances = validate.Tolerances(
-        job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
-    )
-    if job.bundle:
-        with stage(record, "bundle", notify):
-            record.bundle = _bundle(
-                job, record, artifact, goldens_file or expected, output_names, shapes, tolerances
-            )
-    with stage(record, "validate", notify):
-        record.weights_audit = audit.audit(artifact, weights)
-        del weights
-        memory.release_freed()
-        report = validate.run(output_names, load, shapes, expected, tolerances)
+    return load
+
+
+def _validated(
+    record: JobRecord,
+    artifact: Artifact,
+    weights: dict[str, torch.Tensor],
+    output_names: Sequence[str],
+    shapes: Sequence[LiveShape],
+    expected: stored_goldens.Goldens,
+    tolerances: validate.Tolerances,
+) -> validate.Report:
+    """The artifact's weights audited against `weights` and its outputs validated, into the
+    record and report.json. `weights` is emptied once audited: its tensors go before the
+    artifact is loaded."""
+    record.weights_audit = audit.audit(artifact, weights)
+    weights.clear()
+    memory.release_freed()
+    report = validate.run(output_names, _loader(artifact), shapes, expected, tolerances)
     record.report = report
     _write_report(record)
-    log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, report.table())
+    log.info("[validate] report (%s):\n%s", record.run_dir / REPORT_FILE, report.table())
     log.info("[validate] %s", "\n".join(record.weights_audit.lines()))
-    if _localizes(job.validate.localize, report):
-        with stage(record, "localize", notify):
-            record.localization = _localize(job, record, report, expected, tolerances, profiles)
-        _write_report(record)
-        log.info("[localize] %s", "\n".join(record.localization.lines()))
-    if not (report.passed and record.weights_audit.passed):
-        raise ValidationFailed(_failure_message(report, record))
-    log.info("[validate] passed at all %d live shapes", len(report.shapes))
-    if not job.benchmark.enabled:
-        return
-    with stage(record, "benchmark", notify):
-        record.benchmark = benchmark.run(
-            shapes,
-            lambda shape: expected.cases[label(shape)][0],
-            benchmark.Subject(artifact.runtime, artifact.device, load),
-            _eager(run_dir, job, report.target),
-            job.benchmark,
-        )
-    _write_report(record)
-    log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
+    return report
 
 
 def _bundle(
@@ -199,8 +263,11 @@ def _bundle(
     return written
 
 
-def _failure_message(report: validate.Report, record: JobRecord) -> str:
-    """Validation's message, then the weights that differ, then where the outputs diverge."""
+def _failure_message(
+    report: validate.Report, record: JobRecord, keep_out: repair.KeepOut | None = None
+) -> str:
+    """Validation's message, then the weights that differ, then where the outputs diverge and,
+    where that is one op's doing, the override that keeps the op out of the delegate."""
     sentences = [report.failure_message()] if not report.passed else []
     weights_audit = record.weights_audit
     if weights_audit and not weights_audit.passed:
@@ -219,6 +286,8 @@ def _failure_message(report: validate.Report, record: JobRecord) -> str:
             f"The first node that diverges is {found.summary()} in {found.module or 'the model'}"
             f", at {found.source or 'an unknown source line'}."
         )
+        if keep_out:
+            sentences.append(keep_out.advice())
     elif isinstance(record.localization, localize.NotReproduced):
         sentences.append("Lowering the program again does not reproduce the failure.")
     return " ".join(sentences) + f" ({REPORT_FILE} in the run dir says more.)"
@@ -226,6 +295,10 @@ def _failure_message(report: validate.Report, record: JobRecord) -> str:
 
 def _write_report(record: JobRecord) -> None:
     """report.json: validation's report, and what later stages found, each in its section."""
+    write_json(record.run_dir / REPORT_FILE, json_safe(_report_payload(record)))
+
+
+def _report_payload(record: JobRecord) -> dict[str, Any]:
     assert record.report is not None
     sections = {
         "weights_audit": record.weights_audit and record.weights_audit.to_json(),
@@ -237,9 +310,9 @@ def _write_report(record: JobRecord) -> None:
             "bytes": record.bundle.total_bytes,
             "files": dict(record.bundle.files),
         },
+        "repair": record.repair and record.repair.to_json(),
     }
-    payload = {**record.report.to_json(), **{k: v for k, v in sections.items() if v}}
-    write_json(record.run_dir / REPORT_FILE, json_safe(payload))
+    return {**record.report.to_json(), **{k: v for k, v in sections.items() if v}}
 
 
 def _localizes(mode: config.LocalizeMode, report: validate.Report) -> bool:

@@ -423,6 +423,7 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     tags.update({f"benchmark.{key}": value for key, value in summary.benchmark.items()})
     if summary.diverged_at:
         tags["diverged_at"] = summary.diverged_at
+    tags.update({f"repair.{key}": value for key, value in summary.repair.items()})
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
     if summary.error:

@@ -1,8 +1,10 @@
 """ExecuTorch with the XNNPACK delegate: exported program -> edge dialect -> partitioned -> .pte,
 run by ExecuTorch's runtime on the CPU.
 
-The program is first rewritten into ops XNNPACK takes (exporter/lowering/xnnpack_rewrites.py);
-the fallback policy maps onto XNNPACK's partitioner (exporter/lowering/xnnpack_partitioner.py).
+The program is first rewritten into ops XNNPACK takes (exporter/lowering/xnnpack_rewrites.py),
+and with `fallback.wrong_kernels=avoid` (the default) the ops XNNPACK computes as another
+function into ops it computes right; the fallback policy maps onto XNNPACK's partitioner
+(exporter/lowering/xnnpack_partitioner.py).
 `external_weights` puts the weights into model.ptd beside model.pte
 (exporter/lowering/executorch_program.py).
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig, WrongKernels
 from exporter.lowering.artifact import Artifact, Output
 
 if TYPE_CHECKING:
@@ -60,15 +62,23 @@ def lower(
 ) -> Artifact:
     from exporter.lowering.executorch_program import announced_policy, lowered_to_pte
     from exporter.lowering.xnnpack_partitioner import PolicyPartitioner
-    from exporter.lowering.xnnpack_rewrites import ViewsForXnnpack, for_xnnpack
+    from exporter.lowering.xnnpack_rewrites import (
+        ViewsForXnnpack,
+        for_xnnpack,
+        without_wrong_kernels,
+    )
 
     partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
-    rewritten = replace(exported, program=for_xnnpack(exported.program))
+    program = for_xnnpack(exported.program)
+    avoided = ()
+    if fallback.wrong_kernels is WrongKernels.avoid:
+        program, avoided = without_wrong_kernels(program)
     return lowered_to_pte(
-        rewritten,
+        replace(exported, program=program),
         partitioner,
         partitioner.why_on_cpu,
         output(backend),
         out_dir,
         edge_passes=[ViewsForXnnpack()],
+        wrong_kernels_avoided=avoided,
     )

@@ -41,6 +41,9 @@ class JobSummary:
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
     diverged_at: str | None = None
+    # validate.repair=auto at work: the override, the first artifact's verdict and the
+    # repaired one's (logged as tags repair.*).
+    repair: dict[str, str] = field(default_factory=dict)
     # The weights audit: how many parameters it checked, found changed and could not see.
     weights_checked: int | None = None
     weights_mismatched: int | None = None
@@ -126,6 +129,8 @@ class JobSummary:
             summary.weights_unseen = len(found.unseen)
         if record.localization:
             summary.diverged_at = record.localization.summary()
+        if record.repair:
+            summary.repair = record.repair.summary()
         if record.benchmark:
             timed = record.benchmark.shapes
             summary.latency_ms = [shape.artifact.median_ms for shape in timed]

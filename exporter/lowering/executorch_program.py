@@ -8,6 +8,7 @@ kernels: the .pte keeps the program only."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -25,7 +26,13 @@ from torch.export import ExportedProgram
 from exporter.export import Exported
 from exporter.files import atomic_path
 from exporter.lowering.artifact import Artifact, Output
-from exporter.lowering.partition import CPU, DELEGATED, NodePlacement, PartitionSummary
+from exporter.lowering.partition import (
+    CPU,
+    DELEGATED,
+    NodePlacement,
+    PartitionSummary,
+    WrongKernelAvoided,
+)
 from exporter.lowering.policy import Policy, op_name
 
 log = logging.getLogger(__name__)
@@ -38,11 +45,13 @@ def lowered_to_pte(
     target: Output,
     out_dir: Path,
     edge_passes: Sequence[Callable[[torch.fx.GraphModule], Any]] = (),
+    wrong_kernels_avoided: Sequence[WrongKernelAvoided] = (),
 ) -> Artifact:
     """Lowers with `partitioner` (its `listening()` context open) and writes the .pte, and with
     `target.data_file` the weights into that file beside it; the partition report places every
-    node, with `why_on_cpu` for the nodes left out. `edge_passes` rewrite the edge program
-    before it is partitioned."""
+    node, with `why_on_cpu` for the nodes left out, and lists `wrong_kernels_avoided`, the
+    nodes the program was rewritten at before. `edge_passes` rewrite the edge program before it
+    is partitioned."""
     try:
         data_file = target.data_file
         # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
@@ -53,7 +62,10 @@ def lowered_to_pte(
                 transform_passes=[*edge_passes, *([TagDelegateConstants(tag)] if tag else [])],
                 partitioner=[partitioner],
             )
-        partition = summarize(edge.exported_program().graph_module, why_on_cpu)
+        partition = dataclasses.replace(
+            summarize(edge.exported_program().graph_module, why_on_cpu),
+            wrong_kernels_avoided=tuple(wrong_kernels_avoided),
+        )
         log.info("[lower] %s", partition.describe())
         # The constants no delegate took are tagged here, as they are emitted.
         program = edge.to_executorch(

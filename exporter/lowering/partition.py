@@ -4,7 +4,9 @@ The vocabulary is every backend's: a node runs in a delegate (by its backend id)
 every delegate (on the CPU for ExecuTorch, in PyTorch for TensorRT), and a node outside is there
 because the backend does not support it, because the policy keeps
 data-dependent output shapes off the backend, because the user named its op, or because its
-block was smaller than `fallback.min_block_size`.
+block was smaller than `fallback.min_block_size`. A node whose op the delegate is known to compute
+wrongly was rewritten before partitioning (`fallback.wrong_kernels=avoid`); the report lists
+those nodes, what they became, and why.
 """
 
 from __future__ import annotations
@@ -38,9 +40,23 @@ class NodePlacement:
 
 
 @dataclass(frozen=True)
+class WrongKernelAvoided:
+    """A node of the exported program whose op the delegate computes as another function, and
+    what lowering made of it instead."""
+
+    node: str
+    op: str
+    # "rewritten into mul, tanh, add": what the delegate was given in its place.
+    remedy: str
+    # What the delegate's own kernel computes instead, as measured.
+    why: str
+
+
+@dataclass(frozen=True)
 class PartitionSummary:
     nodes: tuple[NodePlacement, ...]
     delegates: int
+    wrong_kernels_avoided: tuple[WrongKernelAvoided, ...] = ()
 
     @property
     def delegated_nodes(self) -> int:
@@ -88,6 +104,11 @@ class PartitionSummary:
         if ops_by_detail:
             lines.append("in detail:")
             lines += [f"  {d}: {', '.join(sorted(ops))}" for d, ops in ops_by_detail.items()]
+        if self.wrong_kernels_avoided:
+            lines.append("wrong kernels avoided (fallback.wrong_kernels=avoid):")
+            lines += [
+                f"  {a.node} ({a.op}) {a.remedy}: {a.why}" for a in self.wrong_kernels_avoided
+            ]
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -110,12 +131,16 @@ class PartitionSummary:
                 for p, r, op, d, n in self.groups()
             ],
             "nodes": [asdict(node) for node in self.nodes],
+            "wrong_kernels_avoided": [asdict(avoided) for avoided in self.wrong_kernels_avoided],
         }
 
     @classmethod
     def from_json(cls, payload: dict) -> PartitionSummary:
         nodes = tuple(NodePlacement(**node) for node in payload["nodes"])
-        return cls(nodes=nodes, delegates=payload["delegates"])
+        avoided = tuple(
+            WrongKernelAvoided(**avoided) for avoided in payload.get("wrong_kernels_avoided", ())
+        )
+        return cls(nodes=nodes, delegates=payload["delegates"], wrong_kernels_avoided=avoided)
 
 
 def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:
