@@ -13,8 +13,9 @@ no cut has diverged, each lowering cuts after `PROBES` nodes spread over a stret
 program past the last node known within, the first stretch reaching a sixteenth of its nodes and
 each next one reaching `GROWTH` times further. A lowering bug shows first where its pattern
 first occurs, in the first layers, and is then found with cuts of a small part of the program;
-a divergence in the last layer costs about two full lowerings more than a search that spread its
-first cut over the whole program would (bench/localize.py measures both). Once a node diverges,
+a divergence in the last layer costs two short lowerings (a sixteenth and a quarter of the
+program) more than a search that spread its first cut over the whole program (bench/localize.py
+measures both). Once a node diverges,
 each lowering cuts after `PROBES` nodes spread over those between the last node known within and
 it, narrowing the search sixteenfold, and once `PROBES` nodes or fewer are left, one lowering
 cuts after all of them, the node known to diverge, and the nodes up to `UPSTREAM` steps above
