@@ -294,14 +294,25 @@ def test_a_search_out_of_budget_says_what_it_narrowed_down_to(tmp_path: Path) ->
         return not all(s.within for s in judge(("logits",), outputs, shape, expected, rule))
 
     replay = Replay(((expected.cases["seq=127"][0], False),), shape)
-    found = localize(program, lower, replay, fails, rule, tmp_path / "search", budget_seconds=1.0)
+    found = localize(
+        program,
+        lower,
+        replay,
+        fails,
+        rule,
+        tmp_path / "search",
+        lowered_now="the test lowered it",
+        budget_seconds=1.0,
+    )
     assert isinstance(found, Narrowed)
-    assert found.lowerings == 2
-    # The whole program first (a given artifact: nothing says it is what lowering makes now),
-    # then the front sixteenth: its 10 nodes are within, the rest is in question.
+    # The front sixteenth was lowered and is within; the rest, up to the logits, is in question.
+    assert found.lowerings == 1
     first_cut = math.ceil(len(nodes) / 16)
-    assert (found.after, found.up_to) == (nodes[first_cut - 1].name, nodes[-1].name)
-    assert found.nodes == len(nodes) - first_cut
+    (logits,) = program.graph.output_node().all_input_nodes
+    output = [n.name for n in nodes].index(logits.name)
+    assert (found.after, found.up_to) == (nodes[first_cut - 1].name, logits.name)
+    assert found.up_to_module == "model.lm_head (Linear)"
+    assert found.nodes == output + 1 - first_cut
     assert found.seconds + found.next_lowering_seconds > 1.0
     assert "budget hit:" in found.summary()
 
