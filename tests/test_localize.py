@@ -106,6 +106,21 @@ def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: Exporte
     assert sorted(part.state_dict) == ["first.weight"]
 
 
+def test_a_cut_after_the_first_norm_keeps_nothing_after_it(tmp_path: Path) -> None:
+    """The default Llama casts in every norm and calls scaled_dot_product_attention, which torch
+    counts as impure: neither keeps the later layers in a cut before them."""
+    from exporter import export, models
+
+    job = config.to_job(composed("model=llama"))
+    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+    nodes = tensor_nodes(program.program)
+    norm = node_named(program.program, torch.ops.aten.rsqrt.default, "0.input_layernorm")
+    part = cut(program.program, [norm.name])
+    kept = [node.name for node in tensor_nodes(part)]
+    assert len(kept) <= [node.name for node in nodes].index(norm.name) + 1
+    assert sorted(part.state_dict) == ["model.model.embed_tokens.weight"]
+
+
 # AOTInductor compiles C++ for each lowering: about 40 s here.
 @pytest.mark.parametrize("backend", ["executorch", pytest.param("aoti", marks=pytest.mark.slow)])
 def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
