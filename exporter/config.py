@@ -322,9 +322,10 @@ class ValidateConfig:
 
     `localize_seconds` bounds the search for the first diverging node (null: no limit). It
     stops before a lowering that would take it past this many seconds and says what it
-    narrowed down to. 300 s: the default Llama's and llama_45m's searches take well under a
-    minute; SmolLM2-135M's lowerings take one to three minutes each on 2 cores, so its search
-    gets a few cheap cuts near the front, and a 1B model's does not run for hours."""
+    narrowed down to. 600 s: the default Llama's and llama_45m's searches lower about two
+    programs' worth of cuts; SmolLM2-135M's whole program took 206 s to lower on 2 cores, so
+    its search gets the short cuts, one whole lowering and a last cut, and a 1B model's search
+    takes ten minutes, not hours."""
 
     rule: ValidationRule = ValidationRule.reference
     factor: float | None = None
@@ -335,7 +336,7 @@ class ValidateConfig:
     random_shapes: int = 2
     seed: int = 0
     localize: LocalizeMode = LocalizeMode.auto
-    localize_seconds: float | None = 300.0
+    localize_seconds: float | None = 600.0
 
     def __post_init__(self) -> None:
         if self.localize_seconds is not None and self.localize_seconds <= 0:
