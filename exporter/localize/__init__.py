@@ -25,7 +25,9 @@ that diverges while nothing just above it does.
 Before searching, the whole program is lowered again to see whether the artifact judged is what
 lowering makes now: where that artifact passes at the failing shape, it is not (tampered, stale
 or corrupted), and no node is named. That lowering is skipped, and the result says why, where
-the caller knows the artifact is what lowering makes now (the job lowered it in this run).
+the caller knows the artifact is what lowering makes now (the job lowered it in this run, or
+took it from the cache, keyed by the program, code and libraries and checked by its checksums);
+a given artifact, or a passing job searched with validate.localize=always, keeps it.
 
 The search stops before a lowering that would take it past its budget (validate.localize_seconds),
 each lowering's time estimated from those before it (a known full lowering, then each cut's by
