@@ -16,6 +16,7 @@ import logging
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -335,6 +336,8 @@ def _localize(
     """The first node of the job's exported program that diverges at the first execution that
     failed (on a passing job, at its worst), replayed as validation ran it. What stops the
     search is its result's reason: the job's verdict is validation's either way."""
+    # The budget counts from here: loading (or exporting) the program is part of the search.
+    started = time.perf_counter()
     replay = _replay(report, expected, tolerances)
     names = report.output_names
     # A .partial- folder: what a stopped job's worker leaves of it is removed
@@ -354,12 +357,43 @@ def _localize(
             judged = validate.judge(names, outputs, replay.shape, expected, tolerances)
             return not all(output.within for output in judged)
 
-        return localize.localize(program.program, lower, replay, fails, tolerances, work_dir)
+        lowered_now, full_lowering_seconds = _lowered_now(job, record)
+        return localize.localize(
+            program.program,
+            lower,
+            replay,
+            fails,
+            tolerances,
+            work_dir,
+            lowered_now=lowered_now,
+            budget_seconds=job.validate.localize_seconds,
+            full_lowering_seconds=full_lowering_seconds,
+            started=started,
+        )
     except Exception as error:
         log.info("[localize] stopped", exc_info=True)
         return localize.NotLocalized(f"the search stopped: {type(error).__name__}: {error}")
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _lowered_now(job: config.JobConfig, record: JobRecord) -> tuple[str, float | None]:
+    """Why the artifact judged is what lowering the job's program makes now ("" where that is
+    not known: a given artifact), and what lowering the whole program took where this job
+    lowered it. A cache entry is as good as a lowering in this run: its key holds the program,
+    the backend's settings, toolchain and code, and its files matched their checksums when the
+    job took it."""
+    if job.artifact:
+        return "", None
+    if record.cache_hits.get("lower"):
+        return (
+            "the artifact is the cache's entry for this program, backend, code and libraries, "
+            "and its files matched their checksums",
+            None,
+        )
+    return "this job lowered the artifact from this program in this run", record.seconds.get(
+        "lower"
+    )
 
 
 def _replay(

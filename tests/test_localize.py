@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +32,17 @@ TOYS = Path(__file__).resolve().parents[1] / "exporter" / "models" / "toys.py"
 
 
 def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
-    """Runs one job's stages in this process; its record and report.json."""
-    job = config.to_job(composed(*overrides, "mlflow=off", "benchmark=off", "cache=false"))
+    """Runs one job's stages in this process; its record and report.json. The search has no
+    time limit unless the overrides set one: what it finds must not depend on the machine's
+    load."""
+    unbounded = (
+        ()
+        if any(o.startswith("validate.localize_seconds=") for o in overrides)
+        else ("validate.localize_seconds=null",)
+    )
+    job = config.to_job(
+        composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", "cache=false")
+    )
     record = JobRecord(run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -104,6 +115,21 @@ def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: Exporte
     assert sorted(part.state_dict) == ["first.weight"]
 
 
+def test_a_cut_after_the_first_norm_keeps_nothing_after_it(tmp_path: Path) -> None:
+    """The default Llama casts in every norm and calls scaled_dot_product_attention, which torch
+    counts as impure: neither keeps the later layers in a cut before them."""
+    from exporter import export, models
+
+    job = config.to_job(composed("model=llama"))
+    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+    nodes = tensor_nodes(program.program)
+    norm = node_named(program.program, torch.ops.aten.rsqrt.default, "0.input_layernorm")
+    part = cut(program.program, [norm.name])
+    kept = [node.name for node in tensor_nodes(part)]
+    assert len(kept) <= [node.name for node in nodes].index(norm.name) + 1
+    assert sorted(part.state_dict) == ["model.model.embed_tokens.weight"]
+
+
 # AOTInductor compiles C++ for each lowering: about 40 s here.
 @pytest.mark.parametrize("backend", ["executorch", pytest.param("aoti", marks=pytest.mark.slow)])
 def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
@@ -149,7 +175,13 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
     # What feeds it is within the rule: the add of the second norm's mean and eps.
     assert [i["op"] for i in found["inputs"]] == ["aten.add.Tensor"]
     assert all(i["within"] for i in found["inputs"])
-    assert found["lowerings"] >= 2
+    # The job lowered the artifact itself: the search does not lower the whole program again,
+    # and its 11 nodes are few enough for one lowering to cut after each.
+    assert found["lowerings"] == 1
+    assert found["relowering"] == (
+        "the whole program was not lowered again: this job lowered the artifact from this "
+        "program in this run"
+    )
     assert record.localization is not None
     assert record.localization.summary() == f"{planted} (aten.rsqrt.default)"
 
@@ -217,6 +249,96 @@ def test_off_leaves_a_failed_job_without_a_search(tmp_path: Path) -> None:
 def test_an_unknown_localize_mode_is_refused_naming_the_key(tmp_path: Path) -> None:
     result = run_exporter(tmp_path, "validate.localize=sometimes")
     assert_user_error(result, 2, "validate.localize", "auto", "always", "off")
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5"])
+def test_a_budget_of_no_time_is_refused_naming_the_key(seconds: str, tmp_path: Path) -> None:
+    result = run_exporter(tmp_path, f"validate.localize_seconds={seconds}")
+    assert_user_error(
+        result, 2, f"validate.localize_seconds is {seconds}", "more than 0", "null for no limit"
+    )
+
+
+def test_a_search_out_of_budget_still_ends_with_the_validation_verdict(tmp_path: Path) -> None:
+    """No tolerance at all: the norm's XNNPACK artifact fails against float64 everywhere. The
+    job's own lowering took longer than the budget, so the search stops before its first."""
+    result = run_exporter(
+        tmp_path,
+        "model=rms_norm",
+        "backend=executorch",
+        "validate.rule=absolute",
+        "validate.atol=0",
+        "validate.rtol=0",
+        "validate.localize_seconds=0.001",
+        "benchmark=off",
+    )
+    assert result.exit_code == 1, result.output
+    found = result.report()["first_divergence"]
+    assert found["reproduced"] is None
+    assert found["budget_hit"] is True
+    assert found["lowerings"] == 0
+    # Nothing narrowed: every node up to the output is still in question.
+    nodes = tensor_nodes(torch.export.load(result.run_dir / "program.pt2"))
+    assert (found["after"], found["up_to"]) == ("", nodes[-1].name)
+    assert found["nodes"] == len(nodes)
+    assert found["budget_seconds"] == 0.001
+    assert found["next_lowering_seconds"] > 0.001
+    assert "not localized within validate.localize_seconds=0.001" in result.output
+    assert f"narrowed at seq={found['shape']['seq']} to {len(nodes)} nodes" in result.output
+    (run,) = result.mlflow_runs()
+    assert run.data.tags["diverged_at"] == (
+        f"budget hit: {len(nodes)} nodes after the inputs up to {nodes[-1].name}"
+    )
+    assert run.data.tags["status"] == "failed"
+
+
+def test_a_search_out_of_budget_says_what_it_narrowed_down_to(tmp_path: Path) -> None:
+    """A backend whose lowering takes 40 ms a node: the first cut (the front sixteenth) runs,
+    and the next, four times longer, would take the search past its second."""
+    from exporter import export, models
+    from exporter.localize import Narrowed, Replay, localize
+    from exporter.validate import Tolerances, goldens, judge
+
+    job = config.to_job(composed("model=llama"))
+    bundle = models.build(job.model, job.dynamic)
+    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    nodes = tensor_nodes(program)
+    planted = node_named(program, torch.ops.aten.rsqrt.default, "1.post_attention_layernorm")
+    rewrite = wrong_below_the_bound(planted.name, upper=128)
+    shape = {"seq": 127}
+    expected = goldens.compute(bundle, [shape], 0, "cpu")
+    rule = Tolerances("reference", 1e-4, 1e-3, factor=5.0, floor=1e-5)
+
+    def lower(part: ExportedProgram, folder: Path) -> Callable[[], _Module]:
+        time.sleep(0.04 * len(tensor_nodes(part)))
+        planted = rewrite(copy.deepcopy(part))
+        return lambda: _Module(planted)
+
+    def fails(outputs: tuple[torch.Tensor, ...]) -> bool:
+        return not all(s.within for s in judge(("logits",), outputs, shape, expected, rule))
+
+    replay = Replay(((expected.cases["seq=127"][0], False),), shape)
+    found = localize(
+        program,
+        lower,
+        replay,
+        fails,
+        rule,
+        tmp_path / "search",
+        lowered_now="the test lowered it",
+        budget_seconds=1.0,
+    )
+    assert isinstance(found, Narrowed)
+    # The front sixteenth was lowered and is within; the rest, up to the logits, is in question.
+    assert found.lowerings == 1
+    first_cut = math.ceil(len(nodes) / 16)
+    (logits,) = program.graph.output_node().all_input_nodes
+    output = [n.name for n in nodes].index(logits.name)
+    assert (found.after, found.up_to) == (nodes[first_cut - 1].name, logits.name)
+    assert found.up_to_module == "model.lm_head (Linear)"
+    assert found.nodes == output + 1 - first_cut
+    assert found.seconds + found.next_lowering_seconds > 1.0
+    assert "budget hit:" in found.summary()
 
 
 def test_a_layers_source_line_is_the_models_call_not_torchs_forward(tmp_path: Path) -> None:

@@ -5,16 +5,33 @@ Backend-agnostic: the program is cut after some of its nodes (exporter/localize/
 prefix is lowered by the job's own backend and policy and run as validation ran the artifact (the
 same executions, in the same order, up to the one that failed), and each node's value is judged
 against its float64 eager value with eager's own error at the model's dtype
-(exporter/localize/node_values.py). Each lowering cuts after up to `PROBES` nodes spread over the
-nodes still in question, so one lowering narrows the search sixteenfold, where bisection would
-halve it, and also after the node in question and the nodes up to `UPSTREAM` steps above it:
-where one of those diverges too, the search goes on before it, so the node named is one that
-diverges while nothing just above it does. The default Llama (150 nodes) takes four lowerings
-(bench/localize.py).
+(exporter/localize/node_values.py).
 
-First of all the whole program is lowered again: where that artifact passes at the failing shape,
-the artifact judged is not what lowering makes now (tampered, stale or corrupted), and no node
-is named.
+A lowering costs what its prefix costs: a cut near the front lowers in a fraction of the whole
+program's time, a cut near the end costs a full lowering. So the search goes front first: while
+no cut has diverged, each lowering cuts after `PROBES` nodes spread over a stretch of the
+program past the last node known within, the first stretch reaching a sixteenth of its nodes and
+each next one reaching `GROWTH` times further. A lowering bug shows first where its pattern
+first occurs, in the first layers, and is then found with cuts of a small part of the program;
+a divergence in the last layer costs two short lowerings (a sixteenth and a quarter of the
+program) more than a search that spread its first cut over the whole program (bench/localize.py
+measures both). Once a node diverges,
+each lowering cuts after `PROBES` nodes spread over those between the last node known within and
+it, narrowing the search sixteenfold, and once `PROBES` nodes or fewer are left, one lowering
+cuts after all of them, the node known to diverge, and the nodes up to `UPSTREAM` steps above
+each: where one of those diverges too, the search goes on before it, so the node named is one
+that diverges while nothing just above it does.
+
+Before searching, the whole program is lowered again to see whether the artifact judged is what
+lowering makes now: where that artifact passes at the failing shape, it is not (tampered, stale
+or corrupted), and no node is named. That lowering is skipped, and the result says why, where
+the caller knows the artifact is what lowering makes now (the job lowered it in this run, or
+took it from the cache, keyed by the program, code and libraries and checked by its checksums);
+a given artifact, or a passing job searched with validate.localize=always, keeps it.
+
+The search stops before a lowering that would take it past its budget (validate.localize_seconds),
+each lowering's time estimated from those before it (a known full lowering, then each cut's by
+its length), and says what it narrowed the divergence down to.
 """
 
 from __future__ import annotations
@@ -42,9 +59,13 @@ from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 
-# Nodes one lowering cuts after while the search narrows, besides the node in question and its
-# inputs: 7 took the default Llama five lowerings, 15 four; a cut's extra outputs cost little.
+# Nodes one lowering cuts after while the search narrows: 7 took the default Llama five lowerings,
+# 15 four; a cut's extra outputs cost little.
 PROBES = 15
+# The front-first stretches: the first reaches this share of the program's nodes, each next one
+# GROWTH times further (a sixteenth, a quarter, all of it).
+FIRST_REACH = 1 / 16
+GROWTH = 4
 # How far above the node in question the search looks for a node that diverges first. Its
 # inputs alone can be within the rule while the node they come from is not: a norm's mean
 # averages an error of 2e-5 of its input's scale down to 6e-6 of its own, under the rule's floor
@@ -102,6 +123,8 @@ class FirstDivergence:
     weights: tuple[str, ...]
     lowerings: int
     seconds: float
+    # Whether the whole program was lowered again before the search, or why not.
+    relowering: str
 
     def to_json(self) -> dict:
         return {"reproduced": True, **asdict(self)}
@@ -126,7 +149,7 @@ class FirstDivergence:
             ),
             f"  fed by: {feeding or 'the inputs only'}"
             + (f"; weights {', '.join(self.weights)}" if self.weights else ""),
-            f"  found with {self.lowerings} lowerings in {self.seconds:.1f} s",
+            f"  found with {self.lowerings} lowerings in {self.seconds:.1f} s; {self.relowering}",
         ]
 
 
@@ -163,7 +186,47 @@ class NotLocalized:
         return [f"first divergence: not localized: {self.reason}"]
 
 
-Localization = FirstDivergence | NotReproduced | NotLocalized
+@dataclass(frozen=True)
+class Narrowed:
+    """The search stopped at its budget (validate.localize_seconds): the first divergence is
+    after the node `after` (the last known within; "" for the program's inputs) and at or
+    before `up_to` (the first known to diverge, or the failing output), `nodes` nodes in all."""
+
+    shape: LiveShape
+    after: str
+    after_module: str
+    up_to: str
+    up_to_module: str
+    nodes: int
+    lowerings: int
+    seconds: float
+    budget_seconds: float
+    # What the lowering the search stopped before was estimated to take.
+    next_lowering_seconds: float
+    relowering: str
+
+    def to_json(self) -> dict:
+        return {"reproduced": None, "budget_hit": True, **asdict(self)}
+
+    def summary(self) -> str:
+        after = self.after or "the inputs"
+        return f"budget hit: {self.nodes} nodes after {after} up to {self.up_to}"
+
+    def lines(self) -> list[str]:
+        after = (
+            f"{self.after} in {self.after_module or 'the model'}" if self.after else "the inputs"
+        )
+        return [
+            f"first divergence: not localized within validate.localize_seconds="
+            f"{self.budget_seconds:g}: the next lowering would take about "
+            f"{self.next_lowering_seconds:.0f} s after {self.seconds:.0f} s spent",
+            f"  narrowed at {label(self.shape)} to {self.nodes} nodes: after {after} "
+            f"up to {self.up_to} in {self.up_to_module or 'the model'}",
+            f"  {self.lowerings} lowerings in {self.seconds:.1f} s; {self.relowering}",
+        ]
+
+
+Localization = FirstDivergence | NotReproduced | NotLocalized | Narrowed
 
 
 def localize(
@@ -173,25 +236,50 @@ def localize(
     fails: Callable[[Sequence[torch.Tensor]], bool],
     tolerances: Tolerances,
     work_dir: Path,
+    *,
+    lowered_now: str = "",
+    budget_seconds: float | None = None,
+    full_lowering_seconds: float | None = None,
+    started: float | None = None,
 ) -> Localization:
     """`fails(outputs)`: whether the whole program's outputs at the replay's shape fail the
-    job's rule."""
-    search = _Search(program, lower, replay, tolerances, work_dir)
-    if not fails(search.run(program, "the whole program")):
-        if not replay.diverged:
-            return NotLocalized(
-                f"validation passed; at its worst execution, at {label(replay.shape)}, the "
-                "program lowered again passes too: no output diverges beyond the rule"
+    job's rule. `lowered_now`: why the artifact judged is known to be what lowering makes now
+    (""; unknown: the whole program is lowered again first). `budget_seconds`: the search stops
+    before a lowering that would take it past this many seconds since `started` (a
+    `time.perf_counter()`, by default now; None: no limit). `full_lowering_seconds`: what
+    lowering the whole program took, where the job measured it: the first estimate."""
+    search = _Search(program, lower, replay, tolerances, work_dir, budget_seconds, started)
+    if full_lowering_seconds is not None:
+        search.costs[len(search.nodes)] = full_lowering_seconds
+    try:
+        if lowered_now and replay.diverged:
+            search.relowering = f"the whole program was not lowered again: {lowered_now}"
+            return search.first_divergence()
+        if not fails(search.run(program, "the whole program", len(search.nodes))):
+            if not replay.diverged:
+                return NotLocalized(
+                    f"validation passed; at its worst execution, at {label(replay.shape)}, the "
+                    "program lowered again passes too: no output diverges beyond the rule"
+                )
+            return NotReproduced(
+                replay.shape,
+                "the exported program lowered again passes here, so the artifact judged is not "
+                "what lowering makes now: it was changed after lowering (tampered or corrupted), "
+                "or made by other code or libraries (stale). The weights audit says which "
+                "weights differ.",
+                search.lowerings,
+                search.seconds(),
             )
-        return NotReproduced(
-            replay.shape,
-            "the exported program lowered again passes here, so the artifact judged is not what "
-            "lowering makes now: it was changed after lowering (tampered or corrupted), or made "
-            "by other code or libraries (stale). The weights audit says which weights differ.",
-            search.lowerings,
-            search.seconds(),
-        )
-    return search.first_divergence()
+        search.relowering = "the whole program lowered again fails here too"
+        return search.first_divergence()
+    except _OverBudget as over:
+        return search.narrowed(over.estimate)
+
+
+class _OverBudget(Exception):
+    def __init__(self, estimate: float) -> None:
+        super().__init__(f"the next lowering would take about {estimate:.0f} s")
+        self.estimate = estimate
 
 
 class _Search:
@@ -202,23 +290,39 @@ class _Search:
         replay: Replay,
         tolerances: Tolerances,
         work_dir: Path,
+        budget_seconds: float | None,
+        started: float | None,
     ) -> None:
         self.program = program
         self.lower = lower
         self.replay = replay
         self.tolerances = tolerances
         self.work_dir = work_dir
+        self.budget_seconds = budget_seconds
         self.nodes = tensor_nodes(program)
         self.index = {node.name: i for i, node in enumerate(self.nodes)}
         self.lowerings = 0
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
+        # What one lowering and its run took, by the number of nodes up to its last cut.
+        self.costs: dict[int, float] = {}
+        self.relowering = ""
+        # Known: the nodes up to `low` are within (-1: none is known), the node at `high` is not.
+        self.low, self.high = -1, self._failing_output()
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 
-    def run(self, program: ExportedProgram, what: str) -> tuple[torch.Tensor, ...]:
-        """Lowers `program` and runs the replay on it; the last execution's outputs."""
+    def run(self, program: ExportedProgram, what: str, length: int) -> tuple[torch.Tensor, ...]:
+        """Lowers `program`, `length` nodes of the whole one, and runs the replay on it; the
+        last execution's outputs."""
         interrupts.check()
+        estimate = self.estimate(length)
+        if (
+            self.budget_seconds is not None
+            and estimate is not None
+            and self.seconds() + estimate > self.budget_seconds
+        ):
+            raise _OverBudget(estimate)
         self.lowerings += 1
         folder = self.work_dir / f"{self.lowerings:02d}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -230,14 +334,35 @@ class _Search:
         finally:
             # A 1B model's part is gigabytes; the next lowering writes its own.
             shutil.rmtree(folder, ignore_errors=True)
+            self.costs[length] = time.perf_counter() - start
         log.info(
             "[localize] lowering %d (%s) and %d executions: %.1f s",
             self.lowerings,
             what,
             len(self.replay.executions),
-            time.perf_counter() - start,
+            self.costs[length],
         )
         return outputs
+
+    def estimate(self, length: int) -> float | None:
+        """What lowering and running a program of `length` nodes is expected to take: between
+        two lengths measured, the straight line between them; below the shortest, the
+        shortest's time (a shorter cut costs no more); beyond the longest, the longest's time
+        scaled by length (more than it will take where each lowering has a fixed cost too).
+        None before anything was measured."""
+        shorter = [n for n in self.costs if n <= length]
+        longer = [n for n in self.costs if n >= length]
+        if shorter and longer:
+            below, above = max(shorter), min(longer)
+            if below == above:
+                return self.costs[below]
+            slope = (self.costs[above] - self.costs[below]) / (above - below)
+            return self.costs[below] + slope * (length - below)
+        if longer:
+            return self.costs[min(longer)]
+        if shorter:
+            return self.costs[max(shorter)] * length / max(shorter)
+        return None
 
     def errors(self, names: Sequence[str]) -> list[NodeError] | None:
         """The errors of the nodes `names` from one lowering cut after them; None where that
@@ -247,13 +372,19 @@ class _Search:
             if len(names) <= 3
             else f"{len(names)} nodes, {names[0]} to {names[-1]}"
         )
+        length = 1 + max(self.index[name] for name in names)
+        start = time.perf_counter()
         try:
-            actual = self.run(cut(self.program, names), f"cut after {what}")
+            actual = self.run(cut(self.program, names), f"cut after {what}", length)
+        except _OverBudget:
+            raise
         except Exception as error:
             log.info("[localize] a cut after %s fails: %s: %s", names, type(error).__name__, error)
             return None
         inputs = self.replay.executions[-1][0]
         expected = node_values(self.program, inputs, names)
+        # The next estimate's: eager's values are part of what a cut costs.
+        self.costs[length] = time.perf_counter() - start
         return [
             self._judged(name, value, *expected[name])
             for name, value in zip(names, actual, strict=True)
@@ -289,41 +420,96 @@ class _Search:
         )
 
     def first_divergence(self) -> Localization:
-        # Known: the nodes up to `low` are within (-1: none is known), the node at `high` is not.
-        low, high = -1, self._failing_output()
         known: dict[int, NodeError] = {}
+        # Front first until a cut diverges: how far the next stretch reaches, in nodes.
+        reach: float | None = FIRST_REACH * (self.high + 1)
         while True:
-            between = range(low + 1, high)
-            count = min(PROBES, len(between))
-            picks = [between[(k * len(between)) // count] for k in range(count)]
-            # The node in question and what lies upstream of it ride along: once nothing is
-            # left between, this lowering has said whether the nodes it comes from are within.
-            upstream = self._upstream(high)
-            judged = self.judged(sorted({*picks, high, *upstream}))
-            if not judged:
-                return NotLocalized(
-                    f"no cut between {self._name(low)} and {self.nodes[high].name} could be "
-                    f"lowered and run; the divergence is at or before {self.nodes[high].name}"
+            between = range(self.low + 1, self.high)
+            if len(between) <= PROBES:
+                # One lowering says it all: every node left, the node known to diverge, and
+                # what lies upstream of each.
+                candidates = [*between, self.high]
+                upstream = {i for c in candidates for i in self._upstream(c)}
+                judged = self.judged(sorted({*candidates, *upstream}))
+                if not judged:
+                    return self._uncut()
+                known |= judged
+                diverged = [i for i in candidates if i in judged and not judged[i].within]
+                if not diverged and self.high in judged:
+                    return self._not_reproduced_in_parts()
+                # Where no cut can end at the node known to diverge, it is named as it is.
+                first = diverged[0] if diverged else self.high
+                diverged_upstream = [
+                    i for i in self._upstream(first) if i in known and not known[i].within
+                ]
+                if not diverged_upstream:
+                    inputs = [known[i] for i in self._feeding(first) if i in known]
+                    return self._found(self.nodes[first], known.get(first), inputs)
+                # A node that diverges upstream comes first; search before the earliest, above
+                # the last node known to be within.
+                self.high = min(diverged_upstream)
+                self.low = max(
+                    (i for i, e in known.items() if i < self.high and e.within), default=-1
                 )
+                reach = None
+                continue
+            if reach is None:
+                # Sixteen equal pieces: the last cut leaves a sixteenth before `high`.
+                picks = [
+                    between[((k + 1) * len(between)) // (PROBES + 1) - 1] for k in range(PROBES)
+                ]
+            else:
+                stretch = range(self.low + 1, min(max(math.ceil(reach), self.low + 2), self.high))
+                count = min(PROBES, len(stretch))
+                picks = [stretch[((k + 1) * len(stretch)) // count - 1] for k in range(count)]
+                reach *= GROWTH
+            judged = self.judged(picks)
+            if not judged:
+                return self._uncut()
             known |= judged
-            probed = [i for i in picks if i in judged]
-            diverged = [i for i in probed if not judged[i].within]
+            diverged = [i for i in picks if i in judged and not judged[i].within]
             if diverged:
-                high = diverged[0]
-                low = max([i for i in probed if i < high], default=low)
-                continue
-            # A node no cut could end at is passed over, as if within.
-            low = max(picks, default=low)
-            if high - low > 1:
-                continue
-            diverged_upstream = [i for i in upstream if i in judged and not judged[i].within]
-            if not diverged_upstream:
-                inputs = [judged[i] for i in self._feeding(high) if i in judged]
-                return self._found(self.nodes[high], judged.get(high), inputs)
-            # A node that diverges upstream comes first; search before the earliest, above the
-            # last node known to be within.
-            high = min(diverged_upstream)
-            low = max((i for i, e in known.items() if i < high and e.within), default=-1)
+                self.high = diverged[0]
+                self.low = max((i for i in judged if i < self.high), default=self.low)
+                reach = None
+            else:
+                # A node no cut could end at is passed over, as if within.
+                self.low = max(picks)
+
+    def _uncut(self) -> NotLocalized:
+        high = self.nodes[self.high].name
+        return NotLocalized(
+            f"no cut between {self._name(self.low)} and {high} could be lowered and run; the "
+            f"divergence is at or before {high}"
+        )
+
+    def _not_reproduced_in_parts(self) -> NotReproduced:
+        return NotReproduced(
+            self.replay.shape,
+            f"cut after its nodes and lowered now, the program diverges nowhere up to "
+            f"{self.nodes[self.high].name}, where the artifact judged (or an earlier cut) "
+            "diverged: lowering it again does not make the same artifact (not deterministic), "
+            "or the output that failed is not the program's last",
+            self.lowerings,
+            self.seconds(),
+        )
+
+    def narrowed(self, estimate: float) -> Narrowed:
+        assert self.budget_seconds is not None
+        after = self.nodes[self.low] if self.low >= 0 else None
+        return Narrowed(
+            shape=self.replay.shape,
+            after=after.name if after else "",
+            after_module=_module(after) if after else "",
+            up_to=self.nodes[self.high].name,
+            up_to_module=_module(self.nodes[self.high]),
+            nodes=self.high - self.low,
+            lowerings=self.lowerings,
+            seconds=self.seconds(),
+            budget_seconds=self.budget_seconds,
+            next_lowering_seconds=estimate,
+            relowering=self.relowering or "the whole program was to be lowered again first",
+        )
 
     def judged(self, indices: Sequence[int]) -> dict[int, NodeError]:
         """The errors of the nodes at `indices`, from one lowering cut after all of them, or
@@ -382,6 +568,7 @@ class _Search:
             weights=weights,
             lowerings=self.lowerings,
             seconds=self.seconds(),
+            relowering=self.relowering,
         )
 
 

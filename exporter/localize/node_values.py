@@ -4,10 +4,14 @@ own dtype (whose error against float64 the reference rule scales).
 
 The float64 run widens each weight only for the op that reads it, and runs with every floating
 dtype an op names (a cast, a factory's dtype) read as float64: the exported graph spells the
-model's dtype out, where the model's code, run in float64 for the goldens, followed its input."""
+model's dtype out, where the model's code, run in float64 for the goldens, followed its input.
+
+Both runs stop at the last node asked for: a cut near the front of a 1B model is judged without
+running the rest of it twice."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,6 +29,10 @@ def node_values(
     narrow = _Recorder(program, wanted, wide=False).values(inputs)
     wide = _Recorder(program, wanted, wide=True).values(inputs)
     return {name: (wide[name], narrow[name]) for name in wanted}
+
+
+class _AllRecorded(Exception):
+    """Raised once every node asked for has its value: the rest of the graph is not needed."""
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -48,7 +56,7 @@ class _Recorder(torch.fx.Interpreter):
                 args.append(self.program.state_dict[spec.target])
             else:
                 args.append(self.program.constants[spec.target])
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.suppress(_AllRecorded):
             self.run(*args)
         return self.recorded
 
@@ -56,6 +64,8 @@ class _Recorder(torch.fx.Interpreter):
         value = super().run_node(node)
         if node.name in self.wanted:
             self.recorded[node.name] = value
+            if len(self.recorded) == len(self.wanted):
+                raise _AllRecorded
         return value
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
