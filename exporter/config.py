@@ -286,6 +286,17 @@ class ValidationRule(Enum):
     absolute = "absolute"
 
 
+class HalfRule(Enum):
+    """The reference rule's verdict on next-token logits at float16 or bfloat16.
+
+    `strict`: the values alone, as at float32; `distribution`: values that fail it pass where
+    the predictions are eager's own: top-1 agreement with the float64 oracle at least eager's
+    less `top1_slack`, and mean KL divergence from it at most `kl_factor` times eager's."""
+
+    strict = "strict"
+    distribution = "distribution"
+
+
 class LocalizeMode(Enum):
     """When the job searches for the first op of the exported program that diverges
     (exporter/localize/): `auto` when validation fails, `always` on a passing job too (at its
@@ -329,6 +340,9 @@ class ValidateConfig:
     random_shapes: int = 2
     seed: int = 0
     localize: LocalizeMode = LocalizeMode.auto
+    half: HalfRule = HalfRule.distribution
+    kl_factor: float = 20.0
+    top1_slack: float = 0.0
 
 
 @dataclass
@@ -444,6 +458,16 @@ class JobConfig:
             )
         if self.validate.floor < 0:
             raise ConfigError(f"validate.floor is {self.validate.floor}; it must be 0 or more.")
+        if self.validate.kl_factor < 1:
+            raise ConfigError(
+                f"validate.kl_factor is {self.validate.kl_factor}; it must be 1 or more (the "
+                "artifact's mean KL divergence over eager's at the model's dtype)."
+            )
+        if not 0 <= self.validate.top1_slack <= 1:
+            raise ConfigError(
+                f"validate.top1_slack is {self.validate.top1_slack}; it must be between 0 and 1 "
+                "(a fraction of the positions)."
+            )
         if self.artifact is not None and not Path(self.artifact).is_file():
             raise ConfigError(f"artifact={self.artifact}: no such file.")
 

@@ -114,7 +114,14 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             ) from error
 
     tolerances = validate.Tolerances(
-        job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
+        job.validate.rule.value,
+        job.atol,
+        job.rtol,
+        job.factor,
+        job.validate.floor,
+        job.validate.half.value,
+        job.validate.kl_factor,
+        job.validate.top1_slack,
     )
     if job.bundle:
         with stage(record, "bundle", notify):
@@ -138,7 +145,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         _write_report(record)
         log.info("[localize] %s", "\n".join(record.localization.lines()))
     if not (report.passed and record.weights_audit.passed):
-        raise ValidationFailed(_failure_message(report, record))
+        raise ValidationFailed(_failure_message(report, record, backends.half_precision(job)))
     log.info("[validate] passed at all %d live shapes", len(report.shapes))
     if not job.benchmark.enabled:
         return
@@ -200,9 +207,15 @@ def _bundle(
     return written
 
 
-def _failure_message(report: validate.Report, record: JobRecord) -> str:
-    """Validation's message, then the weights that differ, then where the outputs diverge."""
+def _failure_message(
+    report: validate.Report, record: JobRecord, backend_precision: str | None
+) -> str:
+    """Validation's message, with what the backend is known to lose at the model's dtype where
+    values differ, then the weights that differ, then where the outputs diverge."""
     sentences = [report.failure_message()] if not report.passed else []
+    differ = any(o.values_differ for e in report.executions for o in e.outputs)
+    if differ and backend_precision:
+        sentences.append(backend_precision)
     weights_audit = record.weights_audit
     if weights_audit and not weights_audit.passed:
         changed = [m.parameter for m in weights_audit.mismatched] + [

@@ -35,6 +35,7 @@ __all__ = [
     "check_fallback",
     "check_target",
     "declared",
+    "half_precision",
     "lower",
     "lowered_in",
     "makes_runnable",
@@ -54,6 +55,9 @@ class BackendModule(Protocol):
     RUNTIME: str
     # Its backend id in partition reports; None where nothing is delegated.
     DELEGATE: str | None
+    # Optional: by model dtype, a measured statement of where its artifacts lose precision that
+    # eager at that dtype does not, which a failed validation at that dtype quotes.
+    HALF_PRECISION: dict[str, str]
 
     def output(self, backend: Any) -> Output:
         """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""
@@ -95,6 +99,11 @@ def check_target(job: JobConfig) -> None:
 
 def toolchain(job: JobConfig) -> dict[str, str]:
     return declared(job.backend.name).toolchain(job.backend)
+
+
+def half_precision(job: JobConfig) -> str | None:
+    """What the job's backend is known to lose at the model's dtype, if it declares it."""
+    return getattr(declared(job.backend.name), "HALF_PRECISION", {}).get(job.model.dtype.value)
 
 
 def makes_runnable(job: JobConfig) -> bool:

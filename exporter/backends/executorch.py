@@ -33,6 +33,19 @@ class ExecutorchConfig(BackendConfig):
 SCHEMA = ExecutorchConfig
 RUNTIME = "executorch"
 DELEGATE = "XNNPACK"
+# How its artifacts compute at a half dtype where that costs precision eager does not lose,
+# as measured by bench/half_accumulation.py; a half-precision failure's message says it.
+HALF_PRECISION = {
+    "float16": (
+        "XNNPACK's float16 matrix products sum in float32 as eager's do (one nn.Linear, inner "
+        "dims 64 to 2048: the same error as eager float16, on an x86 CPU without float16 "
+        "arithmetic), but this lowering computes attention as bmm, softmax, bmm with the scores "
+        "and weights rounded to float16 between them, where eager's "
+        "scaled_dot_product_attention keeps them in float32: one attention is 3 to 7 times "
+        "eager's error (seq 16 to 128). That is the backend's precision, not a fault of the "
+        "model."
+    ),
+}
 
 
 def check(backend: ExecutorchConfig, fallback: FallbackConfig) -> None:
