@@ -57,7 +57,8 @@ def test_the_report_and_mlflow_give_next_token_agreement_and_kl_as_computed_dire
     goldens = stored_goldens.load(float16_llama.run_dir / "bundle")
     artifact = load(float16_llama.run_dir / "model.pte", "executorch", "cpu")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        eager = models.build(config.to_job(compose("config", list(FLOAT16_LLAMA))).model, {})
+        composed = config.to_job(compose("config", list(FLOAT16_LLAMA)))
+    eager = models.build(composed.model, composed.dynamic)
     agreements = []
     for shape in report["shapes"]:
         inputs, (golden,) = goldens.cases[label(shape["shape"])]
