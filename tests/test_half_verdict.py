@@ -129,5 +129,5 @@ def test_a_float16_llama_whose_output_projection_is_scaled_by_1_01_still_fails(
     assert report["weights_audit"]["mismatched"] == []
     shapes = report["shapes"]
     # Every top token may be eager's; the distributions are far beyond eager's own divergence.
-    assert all(float(shape["kl_mean"]) > 20 * float(shape["ref_kl_mean"]) for shape in shapes)
+    assert all(float(shape["kl_mean"]) > 8 * float(shape["ref_kl_mean"]) for shape in shapes)
     assert not any(shape["by_distribution"] for shape in shapes)
