@@ -165,7 +165,7 @@ class Report:
             table += (
                 f"\nok*: {len(by_distribution)} of {len(results)} live shapes are less accurate "
                 "than eager beyond the factor, and predict the next token as eager does "
-                f"(validate.half=distribution; validate.half=strict fails them)"
+                "(validate.half=distribution; validate.half=strict fails them)"
             )
         return table
 
