@@ -108,8 +108,16 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
         return
     tolerances = validate.Tolerances(
-        job.validate.rule.value, job.atol, job.rtol, job.factor, job.validate.floor
+        job.validate.rule.value,
+        job.atol,
+        job.rtol,
+        job.factor,
+        job.validate.floor,
+        job.validate.half.value,
+        job.validate.kl_factor,
+        job.validate.top1_slack,
     )
+    backend_precision = backends.half_precision(job)
     goldens_source = goldens_file or expected
     if job.bundle:
         with stage(record, "bundle", notify):
@@ -130,7 +138,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             if record.weights_audit.passed
             else None
         )
-        message = _failure_message(report, record, keep_out)
+        message = _failure_message(report, record, keep_out, backend_precision)
         if keep_out is None or job.validate.repair is config.RepairMode.off:
             raise ValidationFailed(message)
         log.warning("[validate] %s", message)
@@ -157,10 +165,10 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         record.repair.passed = report.passed and record.weights_audit.passed
         _write_report(record)
         if not record.repair.passed:
+            repaired_failure = _failure_message(report, record, None, backend_precision)
             raise ValidationFailed(
                 f"validate.repair=auto lowered again with {keep_out.override}, and that "
-                f"artifact fails too: {_failure_message(report, record)} The first artifact: "
-                f"{message}"
+                f"artifact fails too: {repaired_failure} The first artifact: {message}"
             )
         log.info(
             "[repair] the artifact lowered again with %s passes; the first one failed: %s",
@@ -265,11 +273,18 @@ def _bundle(
 
 
 def _failure_message(
-    report: validate.Report, record: JobRecord, keep_out: repair.KeepOut | None = None
+    report: validate.Report,
+    record: JobRecord,
+    keep_out: repair.KeepOut | None = None,
+    backend_precision: str | None = None,
 ) -> str:
-    """Validation's message, then the weights that differ, then where the outputs diverge and,
-    where that is one op's doing, the override that keeps the op out of the delegate."""
+    """Validation's message, with what the backend is known to lose at the model's dtype where
+    values differ, then the weights that differ, then where the outputs diverge and, where that
+    is one op's doing, the override that keeps the op out of the delegate."""
     sentences = [report.failure_message()] if not report.passed else []
+    differ = any(o.values_differ for e in report.executions for o in e.outputs)
+    if differ and backend_precision:
+        sentences.append(backend_precision)
     weights_audit = record.weights_audit
     if weights_audit and not weights_audit.passed:
         changed = [m.parameter for m in weights_audit.mismatched] + [

@@ -65,6 +65,13 @@ PER_SHAPE_METRICS = {
     "ref_max_abs_err": "ref_max_abs",
     "ref_nrmse": "ref_nrmse",
     "error_ratio": "ratio",
+    # Next-token logits' predictions against the oracle's, the artifact's and eager's.
+    "top1_agreement": "top1",
+    "ref_top1_agreement": "ref_top1",
+    "kl_mean": "kl_mean",
+    "ref_kl_mean": "ref_kl_mean",
+    "kl_max": "kl_max",
+    "ref_kl_max": "ref_kl_max",
 }
 
 
@@ -378,8 +385,11 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
         "needed_atol": "needed_atol",
         "worst_error_ratio": "ratio",
         "needed_factor": "needed_factor",
+        "worst_top1_agreement": "top1",
+        "worst_kl_mean": "kl_mean",
+        "worst_kl_max": "kl_max",
     }
-    # NaN: not measured (no eager reference at the model's dtype for a ratio).
+    # NaN: not measured (no eager reference at the model's dtype for a ratio, no logits).
     metrics = [
         Metric(metric, report.worst(stat), at, 0)
         for metric, stat in worst.items()

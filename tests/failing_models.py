@@ -105,3 +105,36 @@ def warns_when_traced() -> ModelDeclaration:
 def crashes_while_built() -> ModelDeclaration:
     # A bug in the model's own code, not a configuration the user can fix by a key.
     raise RuntimeError("the model's constructor failed")
+
+
+def llama_scaled_when_exported(
+    module: str = "model.layers.1.mlp.down_proj", factor: float = 1.01, checkpoint: str = ""
+) -> ModelDeclaration:
+    """A causal LM whose exported program, and so every artifact lowered from it, computes
+    `module`'s output times `factor` while eager PyTorch and the float64 oracle compute the
+    model: a wrong kernel's error planted at one layer, with the weights untouched (the audit
+    passes). The tiny Llama of `model=llama` (seeded), or the Llama at `checkpoint`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from exporter.models.causal_lm import declare_causal_lm
+
+    if checkpoint:
+        model = LlamaForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+    else:
+        config = LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=2048,
+            attn_implementation="sdpa",
+        )
+        model = LlamaForCausalLM(config)
+
+    def scale(layer: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        return output * factor if torch.compiler.is_exporting() else output
+
+    model.get_submodule(module).register_forward_hook(scale)
+    return declare_causal_lm(model.eval(), model.config.max_position_embeddings)

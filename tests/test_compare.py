@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from runtimes.verdict.compare import EagerError, OutputStats, Tolerances, compare
+from runtimes.verdict.compare import (
+    EagerError,
+    NextToken,
+    OutputStats,
+    Tolerances,
+    compare,
+    next_token,
+    reference_error,
+)
 from runtimes.verdict.report import Execution, Report, json_safe
 
 
@@ -213,3 +221,57 @@ def test_a_report_read_back_from_its_json_is_the_same_report_infinities_and_nan_
     assert math.isinf(again.executions[0].outputs[0].max_abs)
     assert math.isnan(again.executions[0].outputs[0].ref_nrmse)
     assert again.table() == report.table()
+
+
+def test_next_token_agreement_and_kl_divergence_of_known_logits() -> None:
+    golden = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]]], dtype=torch.float64)
+    # The first position's top token moves from 0 to 1; the second keeps its own.
+    actual = torch.tensor([[[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]]])
+    predicted = next_token(actual, golden)
+    p = torch.softmax(golden[0, 0], dim=0)
+    q = torch.softmax(actual[0, 0].double(), dim=0)
+    first = float((p * (p / q).log()).sum())
+    assert predicted.top1 == 0.5
+    assert predicted.kl_mean == pytest.approx(first / 2, rel=1e-12)
+    assert predicted.kl_max == pytest.approx(first, rel=1e-12)
+    assert next_token(golden, golden) == NextToken(1.0, 0.0, 0.0)
+    nan = actual.clone()
+    nan[0, 1, 2] = math.nan
+    assert next_token(nan, golden).kl_max == math.inf
+
+
+def _half_logits() -> tuple[torch.Tensor, torch.Tensor, EagerError]:
+    """Peaked logits over 50 tokens at 64 positions, and eager float16's rounding of them."""
+    generator = torch.Generator().manual_seed(0)
+    golden = 4 * torch.randn(1, 64, 50, dtype=torch.float64, generator=generator)
+    eager = golden.to(torch.float16)
+    return golden, eager, reference_error(eager, golden, logits=True)
+
+
+def test_the_half_rule_passes_logits_that_predict_as_eager_does_and_strict_fails_them() -> None:
+    golden, eager, reference = _half_logits()
+    assert reference.top1 == 1.0 and 0 < reference.kl_mean < 1e-5
+    # Three times eager's rounding, as a half-precision attention adds: beyond the factor.
+    noise = torch.randn(golden.shape, dtype=torch.float64, generator=torch.Generator())
+    noisy = (golden + 3 * (eager.double() - golden).abs().mean() * noise).to(torch.float16)
+    distribution = Tolerances("reference", 0.0, 0.0, 1.5, 0.0, "distribution", 8.0, 0.0)
+    strict = Tolerances("reference", 0.0, 0.0, 1.5, 0.0, "strict", 8.0, 0.0)
+
+    def judged(actual: torch.Tensor, tolerances: Tolerances, dtype: torch.dtype) -> OutputStats:
+        return compare("logits", actual, golden, dtype, 0.0, 0.0, reference, 1.5, 0.0, True,
+                       tolerances)  # fmt: skip
+
+    passed = judged(noisy, distribution, torch.float16)
+    assert passed.ratio > 1.5 and passed.top1 == 1.0
+    assert passed.kl_mean <= 8 * reference.kl_mean
+    assert passed.passed and passed.by_distribution
+    assert not judged(noisy, strict, torch.float16).passed
+    # A float32 model's logits are judged by their values alone.
+    assert not judged(noisy.float(), distribution, torch.float32).passed
+    # A top token moved, or a KL divergence beyond the factor, fails.
+    moved = noisy.clone()
+    moved[0, 5] = golden[0, 5].flip(0).to(torch.float16)
+    assert not judged(moved, distribution, torch.float16).passed
+    warm = (golden * 1.05).to(torch.float16)
+    assert judged(warm, distribution, torch.float16).top1 == 1.0
+    assert not judged(warm, distribution, torch.float16).passed

@@ -35,6 +35,7 @@ __all__ = [
     "check_fallback",
     "check_target",
     "declared",
+    "half_precision",
     "lower",
     "lowered_in",
     "makes_runnable",
@@ -57,6 +58,9 @@ class BackendModule(Protocol):
     # How the weights audit reads its artifact's weights: a key of exporter.audit.READERS (a
     # format's reader, or one that says why the format cannot be read). Its `output` passes it on.
     AUDIT: str
+    # Optional: by model dtype, a measured statement of where its artifacts lose precision that
+    # eager at that dtype does not, which a failed validation at that dtype quotes.
+    HALF_PRECISION: dict[str, str]
 
     def output(self, backend: Any) -> Output:
         """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""
@@ -98,6 +102,11 @@ def check_target(job: JobConfig) -> None:
 
 def toolchain(job: JobConfig) -> dict[str, str]:
     return declared(job.backend.name).toolchain(job.backend)
+
+
+def half_precision(job: JobConfig) -> str | None:
+    """What the job's backend is known to lose at the model's dtype, if it declares it."""
+    return getattr(declared(job.backend.name), "HALF_PRECISION", {}).get(job.model.dtype.value)
 
 
 def makes_runnable(job: JobConfig) -> bool:

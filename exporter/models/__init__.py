@@ -85,6 +85,7 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
         output_names=declaration.output_names,
         dims=_bound_dims(cfg.name, declaration, dynamic),
         make_inputs=make_inputs_at_dtype,
+        logits_outputs=declaration.logits_outputs,
     )
 
 

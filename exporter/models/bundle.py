@@ -37,6 +37,8 @@ class ModelBundle:
     output_names: tuple[str, ...]
     dims: tuple[DynamicDim, ...]
     make_inputs: InputMaker
+    # The outputs that are next-token logits (vocabulary on the last axis): a causal LM's.
+    logits_outputs: tuple[str, ...] = ()
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
@@ -55,6 +57,9 @@ class ModelDeclaration:
     dim_axes: Mapping[str, tuple[tuple[str, int], ...]]
     dim_limits: Mapping[str, int]
     make_inputs: InputMaker
+    # The outputs that are next-token logits (vocabulary on the last axis), whose predictions
+    # validation measures beside their values (top-1 agreement, KL divergence).
+    logits_outputs: tuple[str, ...] = ()
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

@@ -37,4 +37,5 @@ def declare_causal_lm(model: PreTrainedModel, max_positions: int | None) -> Mode
         dim_axes={"seq": (("input_ids", 1),)},
         dim_limits={} if max_positions is None else {"seq": max_positions},
         make_inputs=make_inputs,
+        logits_outputs=("logits",),
     )

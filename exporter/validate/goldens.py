@@ -31,12 +31,13 @@ def compute(
         for shape in shapes
     }
     cases = {key: (case, _oracle(bundle.module, key, case)) for key, case in inputs.items()}
-    reference, output_dtypes = _reference(bundle.module, cases, reference_device)
+    logits = tuple(name in bundle.logits_outputs for name in bundle.output_names)
+    reference, output_dtypes = _reference(bundle.module, cases, reference_device, logits)
     kept = {
         key: (case, [stored(e, dtype) for e, dtype in zip(expected, output_dtypes, strict=True)])
         for key, (case, expected) in cases.items()
     }
-    return Goldens(kept, output_dtypes, reference, reference_device)
+    return Goldens(kept, output_dtypes, reference, reference_device, logits)
 
 
 def _oracle(module: torch.nn.Module, key: str, inputs: Inputs) -> list[torch.Tensor]:
@@ -76,9 +77,11 @@ def _reference(
     module: torch.nn.Module,
     cases: dict[str, tuple[Inputs, list[torch.Tensor]]],
     device: str,
+    logits: tuple[bool, ...],
 ) -> tuple[dict[str, list[EagerError]], tuple[torch.dtype, ...]]:
-    """Eager at the model's dtype on `device`, judged against the oracle; the module returns to
-    the CPU after, where export reads it."""
+    """Eager at the model's dtype on `device`, judged against the oracle, with the predictions
+    of the outputs that are `logits`; the module returns to the CPU after, where export reads
+    it."""
     on_device = module.to(device)
     reference = {}
     output_dtypes: tuple[torch.dtype, ...] = ()
@@ -87,8 +90,8 @@ def _reference(
             outputs = _run(on_device, [t.to(device) for t in inputs])
             output_dtypes = tuple(output.dtype for output in outputs)
             reference[key] = [
-                reference_error(output.cpu(), expected)
-                for output, expected in zip(outputs, golden, strict=True)
+                reference_error(output.cpu(), expected, is_logits)
+                for output, expected, is_logits in zip(outputs, golden, logits, strict=True)
             ]
     except Exception as error:
         raise GoldensFailed(

@@ -85,13 +85,17 @@ def judge(
             reference,
             tolerances.factor if tolerances.scaled else None,
             tolerances.floor,
+            goldens.is_logits(index),
+            tolerances,
         )
-        for name, actual, expected, dtype, reference in zip(
-            output_names,
-            outputs,
-            expected_outputs,
-            goldens.output_dtypes,
-            goldens.reference[label(shape)],
-            strict=True,
+        for index, (name, actual, expected, dtype, reference) in enumerate(
+            zip(
+                output_names,
+                outputs,
+                expected_outputs,
+                goldens.output_dtypes,
+                goldens.reference[label(shape)],
+                strict=True,
+            )
         )
     )

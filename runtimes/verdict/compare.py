@@ -15,25 +15,62 @@ class EagerError:
 
     max_abs: float
     nrmse: float
+    # For an output of next-token logits, eager's predictions against the oracle's (NextToken).
+    top1: float = math.nan
+    kl_mean: float = math.nan
+    kl_max: float = math.nan
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """What next-token logits predict, against the float64 oracle's, over every position: the
+    fraction whose most likely token is the oracle's (top-1 agreement), and the KL divergence
+    KL(oracle || artifact) of the next-token distributions, in nats, their mean and largest
+    (llama.cpp's perplexity --kl-divergence)."""
+
+    top1: float
+    kl_mean: float
+    kl_max: float
+
+
+# The model dtypes whose verdict `Tolerances.half` sets, by the name OutputStats gives them.
+HALF_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
 class Tolerances:
-    """The job's rule and its settings: `rule` is "reference" or "absolute" (ValidationRule)."""
+    """The job's rule and its settings: `rule` is "reference" or "absolute" (ValidationRule).
+    `half` is the reference rule's verdict on an output of next-token logits at a half dtype
+    (HalfRule): "strict", the numbers alone, or "distribution", which also passes one whose
+    numbers fail when its predictions are eager's: top-1 agreement with the oracle at least
+    eager's less `top1_slack`, and mean KL divergence at most `kl_factor` times eager's."""
 
     rule: str
     atol: float
     rtol: float
     factor: float
     floor: float
+    half: str = "strict"
+    kl_factor: float = math.nan
+    top1_slack: float = 0.0
 
     @property
     def scaled(self) -> bool:
         return self.rule == "reference"
 
+    @property
+    def by_distribution(self) -> bool:
+        return self.scaled and self.half == "distribution"
+
     def describe(self) -> str:
         if self.rule == "reference":
-            return f"rule=reference factor={self.factor:g} floor={self.floor:g}"
+            described = f"rule=reference factor={self.factor:g} floor={self.floor:g}"
+            if self.by_distribution:
+                described += (
+                    f" half=distribution kl_factor={self.kl_factor:g} "
+                    f"top1_slack={self.top1_slack:g}"
+                )
+            return described
         return f"rule=absolute atol={self.atol:g} rtol={self.rtol:g}"
 
 
@@ -44,7 +81,9 @@ class OutputStats:
     eager's errors at that dtype where the job measured them (NaN otherwise); `ratio` is the
     larger of nrmse/ref_nrmse and max_abs/ref_max_abs, and `needed_factor` the smallest factor
     the reference rule would pass with the job's floor. `within`: the values pass the job's
-    rule."""
+    rule. For next-token logits, `top1`, `kl_mean` and `kl_max` are the artifact's predictions
+    against the oracle's (NextToken) and `ref_*` eager's; `by_distribution`: the numbers failed
+    and the half-precision distribution rule passed them (Tolerances)."""
 
     name: str
     shape: tuple[int, ...]
@@ -65,6 +104,13 @@ class OutputStats:
     ref_nrmse: float = math.nan
     ratio: float = math.nan
     needed_factor: float = math.nan
+    top1: float = math.nan
+    ref_top1: float = math.nan
+    kl_mean: float = math.nan
+    ref_kl_mean: float = math.nan
+    kl_max: float = math.nan
+    ref_kl_max: float = math.nan
+    by_distribution: bool = False
 
     @property
     def values_differ(self) -> bool:
@@ -83,6 +129,8 @@ def compare(
     reference: EagerError | None = None,
     factor: float | None = None,
     floor: float = 0.0,
+    logits: bool = False,
+    distribution: Tolerances | None = None,
 ) -> OutputStats:
     """Under the absolute rule (`factor` None) an element passes when abs <= atol or rel <= rtol.
     Under the reference rule the output passes as a whole when its RMS error and its max abs
@@ -93,7 +141,11 @@ def compare(
     error 0 (Polygraphy's infinities_compare_equal); against anything else, and NaN on either
     side, an element never passes. The output's shape must equal the golden's, and its dtype
     must be `expected_dtype`: an artifact that returns float64 where eager gives float32 fails
-    however close its values are, which are still measured."""
+    however close its values are, which are still measured.
+
+    For `logits` (next-token logits on the last axis), what they predict is measured too
+    (NextToken); under `distribution`'s half rule, an output at a half dtype whose values fail
+    the reference rule passes where its predictions are as good as eager's (Tolerances)."""
     dtypes = _dtype_name(actual.dtype), _dtype_name(expected_dtype)
     same_dtype = actual.dtype == expected_dtype
     shape, golden_shape = tuple(actual.shape), tuple(golden.shape)
@@ -107,6 +159,7 @@ def compare(
             name, shape, golden_shape, *dtypes, inf, inf, inf, inf, inf, inf, 0, failing,
             False, False, **ref, ratio=inf, needed_factor=inf,
         )  # fmt: skip
+    predicted = next_token(actual, golden) if logits and golden.numel() else None
     actual = actual.detach().to(torch.float64).flatten()
     golden = golden.detach().to(torch.float64).flatten()
     if actual.numel() == 0:
@@ -150,6 +203,25 @@ def compare(
                 _ratio(max_abs - floor * golden_max, reference.max_abs),
             ),
         }
+    by_distribution = False
+    if predicted is not None:
+        ref |= {"top1": predicted.top1, "kl_mean": predicted.kl_mean, "kl_max": predicted.kl_max}
+        if reference is not None:
+            ref |= {
+                "ref_top1": reference.top1,
+                "ref_kl_mean": reference.kl_mean,
+                "ref_kl_max": reference.kl_max,
+            }
+        by_distribution = (
+            not within
+            and distribution is not None
+            and distribution.by_distribution
+            and reference is not None
+            and dtypes[1] in HALF_DTYPES
+            and not bool(nonfinite.any())
+            and predicted.top1 >= reference.top1 - distribution.top1_slack
+            and predicted.kl_mean <= distribution.kl_factor * reference.kl_mean
+        )
 
     return OutputStats(
         name=name,
@@ -165,16 +237,36 @@ def compare(
         needed_atol=needed_atol,
         nonfinite=int(nonfinite.sum()),
         failing=failing,
-        within=within,
-        passed=within and same_dtype,
+        within=within or by_distribution,
+        passed=(within or by_distribution) and same_dtype,
+        by_distribution=by_distribution,
         **ref,
     )
 
 
-def reference_error(actual: torch.Tensor, golden: torch.Tensor) -> EagerError:
-    """Eager's error at the model's dtype, measured as the reference rule reads it."""
-    stats = compare("reference", actual, golden, actual.dtype, atol=0.0, rtol=0.0)
-    return EagerError(stats.max_abs, stats.nrmse)
+def next_token(logits: torch.Tensor, golden: torch.Tensor) -> NextToken:
+    """`logits`' predictions against `golden`'s, each position's distribution over the last
+    axis; computed in float64. A token the golden gives probability 0 adds nothing to the KL
+    divergence; non-finite logits make it infinite."""
+    vocab = golden.shape[-1]
+    ours = torch.log_softmax(logits.detach().to(torch.float64).reshape(-1, vocab), dim=-1)
+    theirs = torch.log_softmax(golden.detach().to(torch.float64).reshape(-1, vocab), dim=-1)
+    probability = theirs.exp()
+    terms = torch.where(probability > 0, probability * (theirs - ours), 0.0)
+    divergence = terms.sum(dim=-1).nan_to_num(nan=math.inf)
+    agree = (ours.argmax(dim=-1) == theirs.argmax(dim=-1)).to(torch.float64)
+    return NextToken(
+        top1=agree.mean().item(),
+        kl_mean=_nan_as_inf(divergence.mean().item()),
+        kl_max=_nan_as_inf(divergence.max().item()),
+    )
+
+
+def reference_error(actual: torch.Tensor, golden: torch.Tensor, logits: bool = False) -> EagerError:
+    """Eager's error at the model's dtype, measured as the reference rule reads it, and for
+    `logits` its predictions."""
+    stats = compare("reference", actual, golden, actual.dtype, atol=0.0, rtol=0.0, logits=logits)
+    return EagerError(stats.max_abs, stats.nrmse, stats.top1, stats.kl_mean, stats.kl_max)
 
 
 def _ratio(error: float, reference: float) -> float:

@@ -37,6 +37,12 @@ class Goldens:
     reference: dict[str, list[EagerError]]
     # Where eager ran for `reference`: the device kind of the artifact's target (cpu, cuda).
     reference_device: str
+    # Per output, flat as the cases' outputs: whether it holds next-token logits on its last
+    # axis, whose predictions validation measures (goldens written before this field: none).
+    logits: tuple[bool, ...] = ()
+
+    def is_logits(self, index: int) -> bool:
+        return bool(self.logits) and self.logits[index]
 
 
 def stored(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

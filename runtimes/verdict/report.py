@@ -23,9 +23,17 @@ STATS = (
     "ratio",
     "needed_factor",
     "needed_atol",
+    "kl_mean",
+    "ref_kl_mean",
+    "kl_max",
+    "ref_kl_max",
 )
+# What next-token logits predict that is worse when smaller: top-1 agreement with the oracle.
+AGREEMENT_STATS = ("top1", "ref_top1")
 # The terminal's table: the errors the rules read.
 TABLE_STATS = ("max_abs", "ref_max_abs", "nrmse", "ref_nrmse", "ratio", "needed_atol")
+# Beside them, for a model whose outputs include next-token logits: what it predicts.
+PREDICTION_STATS = ("top1", "ref_top1", "kl_mean", "ref_kl_mean")
 
 
 @dataclass(frozen=True)
@@ -45,12 +53,14 @@ class Execution:
 
 @dataclass(frozen=True)
 class ShapeResult:
-    """One live shape: the worst of each statistic over its executions and outputs."""
+    """One live shape: the worst of each statistic over its executions and outputs (NaN where
+    none measured it). `by_distribution`: it passed by the half rule's predictions."""
 
     shape: LiveShape
     runs: int
     stats: dict[str, float]
     passed: bool
+    by_distribution: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,14 +85,22 @@ class Report:
                 ShapeResult(
                     shape=shape,
                     runs=len(runs),
-                    stats={stat: _worst(getattr(o, stat) for o in outputs) for stat in STATS},
+                    stats={stat: _worst(getattr(o, stat) for o in outputs) for stat in STATS}
+                    | {stat: _least(getattr(o, stat) for o in outputs) for stat in AGREEMENT_STATS},
                     passed=all(run.passed for run in runs),
+                    by_distribution=any(o.by_distribution for o in outputs),
                 )
             )
         return results
 
     def worst(self, stat: str) -> float:
-        return _worst(result.stats[stat] for result in self.by_shape())
+        pick = _least if stat in AGREEMENT_STATS else _worst
+        return pick(result.stats[stat] for result in self.by_shape())
+
+    @property
+    def predicts(self) -> bool:
+        """Whether an output holds next-token logits, whose predictions were measured."""
+        return not math.isnan(self.worst("top1"))
 
     def failures(self) -> list[ShapeResult]:
         return [result for result in self.by_shape() if not result.passed]
@@ -114,6 +132,8 @@ class Report:
                 f"The smallest validate.factor that would pass them all is "
                 f"{self.worst('needed_factor'):.3g}."
             )
+            if self.predicts:
+                sentences.append(_predictions(differing))
         elif differing:
             failed = ", ".join(
                 f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in differing
@@ -126,16 +146,28 @@ class Report:
         return " ".join(sentences)
 
     def table(self) -> str:
+        """The statistics per live shape; for next-token logits, what they predict too, and a
+        line under the table for the shapes that passed by their predictions alone."""
+        stats = TABLE_STATS + (PREDICTION_STATS if self.predicts else ())
+        results = self.by_shape()
         rows = [
             [
                 label(result.shape),
                 result.runs,
-                *(f"{result.stats[stat]:.3g}" for stat in TABLE_STATS),
-                "ok" if result.passed else "FAIL",
+                *(f"{result.stats[stat]:.3g}" for stat in stats),
+                _verdict(result),
             ]
-            for result in self.by_shape()
+            for result in results
         ]
-        return _table(["shape", "runs", *TABLE_STATS, "verdict"], rows)
+        table = _table(["shape", "runs", *stats, "verdict"], rows)
+        by_distribution = [result for result in results if result.by_distribution]
+        if by_distribution:
+            table += (
+                f"\nok*: {len(by_distribution)} of {len(results)} live shapes are less accurate "
+                "than eager beyond the factor, and predict the next token as eager does "
+                "(validate.half=distribution; validate.half=strict fails them)"
+            )
+        return table
 
     def to_json(self) -> dict:
         return json_safe(
@@ -150,6 +182,7 @@ class Report:
                         "runs": result.runs,
                         **result.stats,
                         "passed": result.passed,
+                        "by_distribution": result.by_distribution,
                     }
                     for result in self.by_shape()
                 ],
@@ -169,7 +202,10 @@ class Report:
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> Report:
         """The report `to_json` wrote (report.json), read back."""
-        tolerances = Tolerances(**{f.name: payload[f.name] for f in fields(Tolerances)})
+        # A report written before a field existed takes its default.
+        tolerances = Tolerances(
+            **{f.name: payload[f.name] for f in fields(Tolerances) if f.name in payload}
+        )
         executions = tuple(
             Execution(
                 execution["shape"],
@@ -199,10 +235,12 @@ def execution_line(number: int, total: int, execution: Execution) -> str:
 
 
 def _output_stats(payload: Mapping[str, Any]) -> OutputStats:
-    # float() reads back the "inf" and "nan" that json_safe wrote as strings.
+    # float() reads back the "inf" and "nan" that json_safe wrote as strings; a field that a
+    # report written before it existed lacks takes its default.
     values = {
         f.name: float(payload[f.name]) if f.type == "float" else payload[f.name]
         for f in fields(OutputStats)
+        if f.name in payload
     }
     values["shape"], values["golden_shape"] = tuple(values["shape"]), tuple(values["golden_shape"])
     return OutputStats(**values)
@@ -224,6 +262,31 @@ def _worst(values: Iterable[float]) -> float:
     """The largest, NaN (not measured) only where every value is."""
     measured = [value for value in values if not math.isnan(value)]
     return max(measured) if measured else math.nan
+
+
+def _least(values: Iterable[float]) -> float:
+    """The smallest, NaN (not measured) only where every value is."""
+    measured = [value for value in values if not math.isnan(value)]
+    return min(measured) if measured else math.nan
+
+
+def _verdict(result: ShapeResult) -> str:
+    if not result.passed:
+        return "FAIL"
+    return "ok*" if result.by_distribution else "ok"
+
+
+def _predictions(results: Sequence[ShapeResult]) -> str:
+    """What the failing shapes' next-token logits predict, beside eager's at the model's dtype."""
+    shapes = ", ".join(
+        f"{label(r.shape)} (top-1 {r.stats['top1']:.4g}, eager {r.stats['ref_top1']:.4g}; "
+        f"mean KL {r.stats['kl_mean']:.3g}, eager {r.stats['ref_kl_mean']:.3g})"
+        for r in results
+    )
+    return (
+        "Next-token predictions against the float64 oracle (top-1 agreement, KL divergence in "
+        f"nats): {shapes}."
+    )
 
 
 def json_safe(value: object) -> object:

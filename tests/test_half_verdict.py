@@ -1,0 +1,133 @@
+"""The verdict on half-precision causal LMs through the real command: what their next-token
+logits predict against the float64 oracle, beside eager's at the model's dtype (report.json,
+MLflow), and the default half rule, which passes a correct float16 artifact that the values
+alone fail and still fails a planted fault."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from exporter import config, models
+from runtimes import load
+from runtimes.verdict import goldens as stored_goldens
+from runtimes.verdict.shapes import label
+from tests.conftest import CONF_DIR, CliResult, mlflow_runs, run_command, tracking_uri_in
+
+FLOAT16_LLAMA = ("model=llama", "model.dtype=float16", "backend=executorch", "benchmark=off")
+
+
+def job(workdir: Path, name: str, *overrides: str) -> CliResult:
+    """One job of the test's store and cache, in a run dir of its own."""
+    run_dir = workdir / name
+    completed: subprocess.CompletedProcess[str] = run_command(
+        workdir, f"hydra.run.dir={run_dir}", "validate.localize=off", *overrides
+    )
+    output = completed.stdout + completed.stderr
+    return CliResult(completed.returncode, output, run_dir, tracking_uri_in(workdir))
+
+
+@pytest.fixture(scope="module")
+def float16_llama(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
+    built = job(tmp_path_factory.mktemp("half"), "built", *FLOAT16_LLAMA)
+    assert built.exit_code == 0, built.output
+    return built
+
+
+def _predictions(logits: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float]:
+    """Top-1 agreement and the mean and largest KL(golden || logits), computed here with
+    torch's own kl_div."""
+    vocab = golden.shape[-1]
+    ours = torch.log_softmax(logits.double().reshape(-1, vocab), dim=-1)
+    theirs = torch.log_softmax(golden.double().reshape(-1, vocab), dim=-1)
+    divergence = torch.nn.functional.kl_div(ours, theirs, log_target=True, reduction="none")
+    per_position = divergence.sum(dim=-1)
+    top1 = (ours.argmax(dim=-1) == theirs.argmax(dim=-1)).double().mean()
+    return top1.item(), per_position.mean().item(), per_position.max().item()
+
+
+def test_the_report_and_mlflow_give_next_token_agreement_and_kl_as_computed_directly(
+    float16_llama: CliResult,
+) -> None:
+    report = float16_llama.report()
+    goldens = stored_goldens.load(float16_llama.run_dir / "bundle")
+    artifact = load(float16_llama.run_dir / "model.pte", "executorch", "cpu")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        composed = config.to_job(compose("config", list(FLOAT16_LLAMA)))
+    eager = models.build(composed.model, composed.dynamic)
+    agreements = []
+    for shape in report["shapes"]:
+        inputs, (golden,) = goldens.cases[label(shape["shape"])]
+        with torch.no_grad():
+            reference = eager.module(*inputs)
+        for prefix, logits in (("", artifact.run(inputs)[0]), ("ref_", reference)):
+            top1, kl_mean, kl_max = _predictions(logits, golden)
+            assert shape[f"{prefix}top1"] == pytest.approx(top1, abs=1e-12)
+            assert shape[f"{prefix}kl_mean"] == pytest.approx(kl_mean, rel=1e-6)
+            assert shape[f"{prefix}kl_max"] == pytest.approx(kl_max, rel=1e-6)
+        agreements.append(shape["top1"])
+        # float16 rounding, not a changed prediction: far below a nat.
+        assert 0 < shape["kl_mean"] < 1e-6
+    (run,) = mlflow_runs(float16_llama.tracking_uri)
+    assert run.data.metrics["worst_top1_agreement"] == min(agreements)
+    history = {
+        metric.step: metric.value
+        for metric in run_history(float16_llama.tracking_uri, run.info.run_id, "ref_kl_mean")
+    }
+    assert history == {shape["shape"]["seq"]: shape["ref_kl_mean"] for shape in report["shapes"]}
+
+
+def run_history(tracking_uri: str, run_id: str, key: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri).get_metric_history(run_id, key)
+
+
+def test_a_correct_float16_artifact_beyond_the_factor_passes_by_its_predictions_not_strictly(
+    float16_llama: CliResult,
+) -> None:
+    workdir = float16_llama.run_dir.parent
+    artifact = f"artifact={float16_llama.run_dir / 'model.pte'}"
+    # Factor 1: any shape whose error exceeds eager's by a hair fails by its values alone.
+    tight = (*FLOAT16_LLAMA, artifact, "validate.factor=1", "validate.floor=0")
+    passed = job(workdir, "distribution", *tight)
+    assert passed.exit_code == 0, passed.output
+    shapes = passed.report()["shapes"]
+    by_distribution = [shape for shape in shapes if shape["by_distribution"]]
+    assert by_distribution and all(shape["passed"] for shape in shapes)
+    assert all(float(shape["ratio"]) > 1 for shape in by_distribution)
+    assert "predict the next token as eager does" in passed.output
+
+    strict = job(workdir, "strict", *tight, "validate.half=strict")
+    assert strict.exit_code == 1, strict.output
+    failed = [shape for shape in strict.report()["shapes"] if not shape["passed"]]
+    assert len(failed) == len(by_distribution)
+    assert "Next-token predictions against the float64 oracle" in strict.output
+    # The backend's measured half-precision arithmetic, stated beside the failure.
+    assert "rounded to float16 between them" in strict.output
+
+
+def test_a_float16_llama_whose_output_projection_is_scaled_by_1_01_still_fails(
+    tmp_path: Path,
+) -> None:
+    planted = job(
+        tmp_path,
+        "planted",
+        "model=custom",
+        "model.factory=tests.failing_models:llama_scaled_when_exported",
+        "+model.options.module=lm_head",
+        "dynamic=llama",
+        *FLOAT16_LLAMA[1:],
+        "mlflow=off",
+    )
+    assert planted.exit_code == 1, planted.output
+    report = planted.report()
+    assert report["weights_audit"]["mismatched"] == []
+    shapes = report["shapes"]
+    # Every top token may be eager's; the distributions are far beyond eager's own divergence.
+    assert all(float(shape["kl_mean"]) > 8 * float(shape["ref_kl_mean"]) for shape in shapes)
+    assert not any(shape["by_distribution"] for shape in shapes)
