@@ -205,6 +205,7 @@ def divergence(op: str, within_inputs: bool = True) -> FirstDivergence:
         weights=(),
         lowerings=2,
         seconds=1.0,
+        relowering="skipped: this job lowered the artifact",
     )
 
 
