@@ -383,9 +383,9 @@ class ValidateConfig:
             )
 
     half: HalfRule = HalfRule.distribution
-    # Measured (README, "Half precision"): SmolLM2-135M's correct float16 XNNPACK artifact
-    # reaches 3.9 times eager's mean KL divergence and flips 1 of 127 top tokens that eager
-    # keeps; a 1% scaled output projection or last MLP of it reaches 15 to 23 times eager's.
+    # Measured (docs/validation.md, "Half precision"): SmolLM2-135M's correct float16 XNNPACK
+    # artifact reaches 3.9 times eager's mean KL divergence and flips 1 of 127 top tokens that
+    # eager keeps; a 1% scaled output projection or last MLP of it reaches 15 to 23 times eager's.
     kl_factor: float = 8.0
     top1_slack: float = 0.02
 
