@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import PROJECT_ROOT
+
 README = PROJECT_ROOT / "README.md"
 DOCS = PROJECT_ROOT / "docs"
 MAX_LINES = 400
