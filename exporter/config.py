@@ -531,6 +531,13 @@ class JobConfig:
         return self.validate.factor
 
 
+# How alike (difflib's ratio) a key must be to a declared one to be named as the key meant: a
+# letter or two off in a word of four or more passes (`validat.atol`: 0.96, `atl` for `atol`:
+# 0.86); `foo` for `floor` (0.75) does not.
+_NEAR = 0.8
+# A last part that many keys share (`seed`, `min`) names a few of them, not every one.
+_MOST_SUGGESTED = 3
+
 # What a key that a config group leaves for the user to set takes.
 _MISSING_VALUES = {
     "model.checkpoint": "DIR, a Hugging Face checkpoint directory written by save_pretrained()",
@@ -575,14 +582,27 @@ def _check_keys(cfg: DictConfig) -> None:
 
     walk(cfg, "", inside_unknown=False)
     if unknown:
-        named = "; ".join(
-            f"+{key} (nearest valid key: {get_close_matches(key, known, n=1, cutoff=0)[0]})"
-            for key in unknown
-        )
+        named = "; ".join(f"+{key}{_nearest(key, known)}" for key in unknown)
         raise ConfigError(
             f"unknown key {named}. The job's schema has no such key; `python -m exporter "
             "--cfg job` prints every key it has."
         )
+
+
+def _nearest(key: str, known: list[str]) -> str:
+    """` (nearest valid key: K)` for a key that looks like a misspelling of K: the whole dotted
+    key near one declared, or else its last part near the last part of declared ones (`+atol=1`
+    names backend.atol and validate.atol); nothing for a key near none."""
+    close = get_close_matches(key, known, n=1, cutoff=_NEAR)
+    if not close:
+        leaves = {k: k.rpartition(".")[2] for k in known}
+        near_leaves = get_close_matches(
+            key.rpartition(".")[2], set(leaves.values()), n=1, cutoff=_NEAR
+        )
+        close = sorted(k for k, leaf in leaves.items() if leaf in near_leaves)[:_MOST_SUGGESTED]
+    if not close:
+        return ""
+    return f" (nearest valid key{'s' if len(close) > 1 else ''}: {', '.join(close)})"
 
 
 def mlflow_of(cfg: DictConfig) -> MlflowConfig:

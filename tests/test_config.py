@@ -90,6 +90,22 @@ def test_values_outside_their_range_are_config_errors(override: str, message: st
         config.to_job(composed(*override.split()))
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+validat.atol=1", "unknown key +validat.atol (nearest valid key: validate.atol). "),
+        ("+atol=1", "unknown key +atol (nearest valid keys: backend.atol, validate.atol). "),
+        # Near no key: `floor`'s likeness (0.75) is below the bar; where to see the keys instead.
+        ("+foo=1", "unknown key +foo. The job's schema has no such key; `python -m exporter "),
+    ],
+)
+def test_an_unknown_key_is_refused_naming_valid_keys_only_where_near(
+    override: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.to_job(composed(override))
+
+
 def test_the_reference_rule_is_the_default_with_a_factor_per_dtype() -> None:
     job = config.to_job(composed())
     assert (job.validate.rule.value, job.factor, job.validate.floor) == ("reference", 5.0, 1e-5)

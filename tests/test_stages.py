@@ -79,7 +79,7 @@ def test_a_key_no_schema_has_is_refused_naming_the_nearest_valid_key(tmp_path: P
     result = run_exporter(tmp_path, "+validat.atol=1")
     assert_user_error(result, 2, "unknown key +validat.atol (nearest valid key: validate.atol)")
     result = run_exporter(tmp_path, "+foo=1")
-    assert_user_error(result, 2, "unknown key +foo (nearest valid key:")
+    assert_user_error(result, 2, "unknown key +foo. ")
     # Nothing ran, and a single job refused by its configuration records no MLflow run.
     assert not (result.run_dir / "program.pt2").exists()
     assert result.mlflow_runs() == []
