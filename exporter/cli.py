@@ -16,8 +16,11 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from exporter import config_store, job_process, outputs, sweep, target_run
 from exporter.config import PROJECT_ROOT
@@ -53,11 +56,35 @@ def run_job(cfg: DictConfig) -> None:
         raise KeyboardInterrupt
 
 
+def _refuse_unparsable_overrides(arguments: list[str]) -> None:
+    """Exit 2 naming the override that does not parse: Hydra's own message names none
+    (`validate.atol=[`: "no viable alternative at input '['")."""
+    parser = OverridesParser.create()
+    for argument in arguments:
+        # Flags and their values (`--cfg job`) have no `=` after a leading word.
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        try:
+            parser.parse_overrides([argument])
+        except OverrideParseException as error:
+            print(f"cannot parse the override {argument}: {error}", file=sys.stderr)
+            sys.exit(ConfigError.exit_code)
+
+
 def main() -> None:
     if sys.argv[1:2] == [target_run.COMMAND]:
         sys.exit(target_run.main(sys.argv[2:]))
+    _refuse_unparsable_overrides(sys.argv[1:])
     try:
         run_job()
+    except (ValueError, HydraException, OmegaConfBaseException) as error:
+        # What Hydra raises past its own reporting: flags it cannot combine (`--cfg job -m`),
+        # and a config --help cannot compose. Nothing else reaches here: a job's errors and the
+        # callbacks' end in SystemExit.
+        print(error, file=sys.stderr)
+        if isinstance(error.__cause__, OmegaConfBaseException):
+            print(error.__cause__, file=sys.stderr)
+        sys.exit(ConfigError.exit_code)
     except SystemExit as exit:
         # Hydra prints a config it cannot compose (an unknown option, a bad override) and exits
         # 1 before any job starts: a configuration error.

@@ -493,9 +493,12 @@ class JobConfig:
             raise ConfigError(
                 f"validate.random_shapes is {self.validate.random_shapes}; it must be 0 or more."
             )
-        for key, value in (("atol", self.atol), ("rtol", self.rtol)):
+        for name in ("atol", "rtol"):
+            # validate's tolerance where set, else the backend's default: name the one in force.
+            owner = "backend" if getattr(self.validate, name) is None else "validate"
+            value = getattr(self, name)
             if value < 0:
-                raise ConfigError(f"The tolerance {key} is {value}; it must be 0 or more.")
+                raise ConfigError(f"{owner}.{name} is {value}; it must be 0 or more.")
         if self.factor < 1:
             raise ConfigError(
                 f"validate.factor is {self.factor}; it must be 1 or more (the artifact's error "

@@ -3,6 +3,9 @@ so a failure is reported by where it happened, not by what happened to be runnin
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 
 class ExporterError(Exception):
     """A failure the user can act on; its message says what went wrong and what to do."""
@@ -63,6 +66,13 @@ class TrackingFailed(ExporterError):
 
     stage = "track"
     exit_code = 7
+
+
+def stop_before_any_job(error: ExporterError) -> NoReturn:
+    """Ends the command for an error found before any job started, as Hydra ends it for a
+    config it cannot compose: the message on stderr, no traceback, the error's exit code."""
+    print(f"[{error.stage}] {error}", file=sys.stderr)
+    raise SystemExit(error.exit_code)
 
 
 # The error an unexpected exception (or a crash of the job's process) in each stage becomes.

@@ -13,7 +13,8 @@ them: the worker runs in a process group of its own, so a terminal's Ctrl-C arri
 Slurm's warning that a job's time limit is near (exporter/slurm.py) stops neither: the job runs
 on until Slurm's SIGTERM, and its run then says that the time limit stopped it.
 A configuration the schema rejects, or a tracking server that does not answer, is answered
-here, before any worker starts.
+before any worker starts: a single job's before its run dir is claimed (exporter/outputs.py),
+a sweep's job here, as a FAILED job of the sweep.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import IO, Any
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, memory, outputs, slurm, tracking_server
+from exporter import config, interrupts, memory, outputs, slurm
 from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
@@ -75,12 +76,7 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
     (Hydra's job_logging, resolved), which the worker sets up as the command's process has."""
     record = JobRecord(run_dir=context.run_dir)
     try:
-        job = config.to_job(cfg)
-        outputs.check_job(job)
-        # Probed here as well as where the worker opens the store: the worker would first spend
-        # seconds importing mlflow to find that nobody answers.
-        if job.mlflow.enabled and tracking_server.is_server(job.mlflow.tracking_uri):
-            tracking_server.probe(job.mlflow.tracking_uri)
+        job = outputs.accepted(cfg)
     except ConfigError as error:
         return _refused(cfg, context, record, error)
     progress = _Progress()
@@ -182,8 +178,10 @@ def _time_limit_near(signum: int, frame: object) -> None:
 
 
 def _refused(cfg: DictConfig, context: JobContext, record: JobRecord, error: ConfigError) -> int:
-    """A config the schema rejects: nothing runs. A job of a sweep still gets its FAILED run,
-    so the sweep's comparison has every job; a single job answers at once, recording no run."""
+    """A config the schema rejects: nothing runs. A job of a sweep still gets its run dir and
+    FAILED run, so the sweep's comparison has every job; a single job, refused here only where
+    its config changed since it was checked (a tracking server that stopped answering), records
+    no run."""
     record.error = error
     log.error("[%s] %s", error.stage, error)
     keep_traceback(error, context.run_dir)

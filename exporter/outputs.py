@@ -8,24 +8,25 @@ when Hydra first resolves it, so two processes never share one. A `hydra.run.dir
 same. A sweep's jobs share its dir, each in a subdir named by its job number.
 
 A run dir, cache or MLflow store that cannot be written is a configuration error (exit 2),
-found before the job starts, naming the folder and the keys that move it.
+found before the job starts, naming the folder and the keys that move it. A single job whose
+configuration is refused (a value the schema rejects, a place it cannot write) is refused
+before its run dir is claimed, so it leaves none; its message goes to stderr, as Hydra's own.
 """
 
 from __future__ import annotations
 
-import logging
+import copy
 import os
 from itertools import count
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from exporter.config import JobConfig, MlflowConfig
-from exporter.errors import ConfigError
-
-log = logging.getLogger(__name__)
+from exporter import tracking_server
+from exporter.config import JobConfig, MlflowConfig, mlflow_of, to_job
+from exporter.errors import ConfigError, stop_before_any_job
 
 # The keys that put a job's outputs elsewhere: all three are under outputs/ by default.
 MOVED_BY = (
@@ -71,19 +72,29 @@ def writable_dir(path: Path, what: str) -> None:
         raise ConfigError(f"cannot write in {what} {path}; {MOVED_BY}.")
 
 
+def accepted(cfg: DictConfig) -> JobConfig:
+    """The job's config, typed, with every place it writes checked; ConfigError otherwise."""
+    job = to_job(cfg)
+    check_job(job)
+    return job
+
+
 def check_job(job: JobConfig) -> None:
-    """The cache and the MLflow store's local folders can be written."""
+    """The cache and the MLflow store can be written."""
     if job.cache:
         writable_dir(Path(job.cache_dir), "the cache (cache_dir)")
     check_store(job.mlflow)
 
 
 def check_store(mlflow: MlflowConfig) -> None:
-    """The MLflow store's local folders can be written (a store on a tracking server is the
-    server's to write)."""
+    """The MLflow store's local folders can be written, or its tracking server answers."""
     if not mlflow.enabled:
         return
     uri = mlflow.tracking_uri
+    if tracking_server.is_server(uri):
+        # Asked before the job's worker would spend seconds importing mlflow to find that
+        # nobody answers.
+        tracking_server.probe(uri)
     if uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         writable_dir(database.parent, "the MLflow store's folder (mlflow.tracking_uri)")
@@ -98,20 +109,30 @@ def check_store(mlflow: MlflowConfig) -> None:
 
 class OutputsCallback(Callback):
     """Claims the run dir (or the sweep dir) and checks that it can be written, before Hydra
-    creates it and starts logging there."""
+    creates it and starts logging there; a single job's configuration is checked first."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # Resolving the dir claims it.
-        _check(Path(config.hydra.run.dir), "the run dir (hydra.run.dir)")
+        try:
+            accepted(_job_config(config))
+            # Resolving the dir claims it: only for a job that starts.
+            writable_dir(Path(config.hydra.run.dir), "the run dir (hydra.run.dir)")
+        except ConfigError as error:
+            # Hydra would print an exception's traceback.
+            stop_before_any_job(error)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check(Path(config.hydra.sweep.dir), "the sweep dir (hydra.sweep.dir)")
+        # A sweep's jobs are composed by its launcher, one by one: each is checked as it starts
+        # (a refused one is a FAILED job of the sweep); what they share is checked here.
+        try:
+            check_store(mlflow_of(config))
+            writable_dir(Path(config.hydra.sweep.dir), "the sweep dir (hydra.sweep.dir)")
+        except ConfigError as error:
+            stop_before_any_job(error)
 
 
-def _check(folder: Path, what: str) -> None:
-    try:
-        writable_dir(folder, what)
-    except ConfigError as error:
-        log.error("[%s] %s", error.stage, error)
-        # Hydra would print an exception's traceback; the command exits with this code.
-        raise SystemExit(error.exit_code) from None
+def _job_config(config: DictConfig) -> DictConfig:
+    """The job's config as Hydra will hand it to the job: without the `hydra` node."""
+    job = copy.deepcopy(config)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return job

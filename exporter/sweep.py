@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from exporter import comparison, outputs
+from exporter import comparison
 from exporter.config import mlflow_of
-from exporter.errors import ExporterError
+from exporter.errors import ExporterError, stop_before_any_job
 from exporter.files import write_json
 from exporter.record import OUTCOMES, now_ms
 
@@ -93,8 +93,9 @@ class SweepCallback(Callback):
         overrides = " ".join(config.hydra.overrides.task)
         store = parent = None
         try:
+            # Its settings and store were checked before the sweep dir was claimed
+            # (exporter/outputs.py).
             mlflow = mlflow_of(config)
-            outputs.check_store(mlflow)
             if mlflow.enabled:
                 # Imported only where tracking is on: mlflow=off never imports mlflow.
                 from exporter import tracking
@@ -106,8 +107,7 @@ class SweepCallback(Callback):
                 name = f"sweep-{datetime.now():%Y-%m-%d-%H-%M-%S}"
                 parent = tracking.start_run(store, name, now_ms(), {}, tags)
         except ExporterError as error:
-            log.error("[%s] %s", error.stage, error)
-            raise SystemExit(error.exit_code) from error
+            stop_before_any_job(error)
         write_json(
             sweep_dir / SWEEP_FILE,
             {"parent_run_id": parent, "tracking_uri": mlflow.tracking_uri, "overrides": overrides},

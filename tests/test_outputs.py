@@ -238,7 +238,9 @@ def test_a_read_only_outputs_folder_exits_2_for_a_user_whom_permissions_stop() -
     try:
         root.chmod(0o555)
         nobody = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        exit_code, output = refused(root, f"hydra.run.dir={root}/outputs/run", user=nobody)
+        # The job's cache and store are checked before its run dir: here only the run dir.
+        run_dir = f"hydra.run.dir={root}/outputs/run"
+        exit_code, output = refused(root, "cache=off", "mlflow=off", run_dir, user=nobody)
     finally:
         shutil.rmtree(root)
     assert exit_code == 2, output

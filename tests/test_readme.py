@@ -108,7 +108,7 @@ def run_as_written(command: ShownCommand, run_dir: Path) -> subprocess.Completed
     argv = shlex.split(command.command, comments=True)
     assert argv[0] == VENV_PYTHON, f"{command.command}: start it with {VENV_PYTHON}"
     # The interpreter running this test is the venv's; a job's files go under the test's own
-    # folder, not the project's outputs/ (a configuration error still leaves a run dir).
+    # folder, not the project's outputs/.
     return subprocess.run(
         [sys.executable, *argv[1:], f"hydra.run.dir={run_dir}"],
         cwd=PROJECT_ROOT,
