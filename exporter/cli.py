@@ -22,13 +22,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from exporter import config_store, job_process, outputs, sweep, target_run
+from exporter import command_help, config_store, job_process, outputs, sweep, target_run
 from exporter.config import PROJECT_ROOT
 from exporter.errors import ConfigError
 from exporter.record import JobContext
 
 config_store.register_schemas()
 outputs.register_resolver()
+command_help.register_resolver()
 
 # Exit codes of the jobs run in this process; Hydra drops a job's return value.
 _exit_codes: list[int] = []

@@ -149,10 +149,12 @@ def test_each_command_the_readme_shows_prints_what_it_shows(
 def test_workstation_commands_use_the_venv() -> None:
     bare = []
     for block in code_blocks(readme()):
+        # In a block that shows commands with their output, only the `$ ` lines are commands.
+        shows_output = any(line.startswith("$ ") for line in block)
         continued = False
         for line in block:
             # A line after a trailing backslash holds arguments, not a command.
-            if not continued:
+            if not continued and (line.startswith("$ ") or not shows_output):
                 command_line = line.removeprefix("$ ")
                 for command in re.split(r"&&|;|\|", command_line.split(" #")[0]):
                     words = command.split()
