@@ -43,8 +43,10 @@ def run_job(cfg: DictConfig) -> None:
     choices = dict(hydra_cfg.runtime.choices)
     run_name, parent_run_id = f"{choices['model']}-{choices['backend']}", None
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        run_name = run_dir.name
-        parent_run_id = sweep.parent_run_id(Path(hydra_cfg.sweep.dir), cfg.mlflow.tracking_uri)
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        # Beside its siblings, a job's run says what it varies; its folder keeps the number.
+        run_name = sweep.job_run_name(sweep_dir, hydra_cfg.overrides.task) or run_dir.name
+        parent_run_id = sweep.parent_run_id(sweep_dir, cfg.mlflow.tracking_uri)
     context = JobContext(run_dir, choices, run_name, parent_run_id)
     logging_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
     exit_code = job_process.run(cfg, context, logging_config)

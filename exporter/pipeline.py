@@ -14,7 +14,7 @@ import signal
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, config
+from exporter import backends, config, slurm
 from exporter.errors import ExporterError
 from exporter.files import write_bytes
 from exporter.record import (
@@ -63,6 +63,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             store, run_id = open_run(cfg, context, record)
     except KeyboardInterrupt:
         record.stopped_by = signal.SIGINT
+        record.stop_reason = slurm.stop_reason(signal.SIGINT)
         log.error(
             "[%s] stopped by Ctrl-C; the run dir keeps what was written: %s",
             record.stage,

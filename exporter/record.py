@@ -162,7 +162,7 @@ def start_run(store: Store, cfg: DictConfig, context: JobContext, record: JobRec
         context.run_name,
         record.started_ms,
         config.flatten(cfg),
-        comparison.group_choices(context.choices),
+        {**comparison.group_choices(context.choices), tracking.JOB_TAG: context.run_dir.name},
         context.parent_run_id,
     )
 

@@ -1,4 +1,4 @@
-"""Why Slurm stopped a job, for its record.
+"""Why a signal stopped a job, for its record: Ctrl-C, or for SIGTERM, Slurm's reason.
 
 Slurm sends SIGTERM to every process of a job at its time limit, on `scancel` and on preemption
 (SIGKILL follows after the cluster's KillWait). The signal alone does not say which; squeue
@@ -26,6 +26,8 @@ def job_id() -> str | None:
 def stop_reason(signum: int) -> str:
     """What stopped the job, in words: the time limit where Slurm says so."""
     name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+        return f"stopped by Ctrl-C ({name})"
     job = job_id()
     if job is None or signum != signal.SIGTERM:
         return f"stopped by {name}"

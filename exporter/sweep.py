@@ -1,23 +1,26 @@
 """A sweep (`python -m exporter -m ...`): its parent MLflow run and the comparison of its jobs.
 
 Hydra calls SweepCallback in the process that launches the sweep. It opens the parent run
-before any job starts and writes its id to sweep.json in the sweep dir, where every job finds
-it, in whatever process or machine the launcher runs it. When the jobs have ended it reads
-their summaries back from the sweep dir, writes the comparison beside them, logs it on the
-parent run and closes the run.
+before any job starts and writes its id to sweep.json in the sweep dir, with the keys whose
+values the sweep varies, where every job finds them, in whatever process or machine the
+launcher runs it: a job's run is named by its values of those keys (`fallback=strict`). When
+the jobs have ended it reads their summaries back from the sweep dir, writes the comparison
+beside them, logs it on the parent run and closes the run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from exporter import comparison
 from exporter.config import mlflow_of
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.json"
+# Where Hydra keeps a job's overrides, in its folder.
+_JOB_OVERRIDES = Path(".hydra") / "overrides.yaml"
+# MLflow's SQL stores keep a run's name in 250 characters.
+_MAX_RUN_NAME = 250
 # A job that left no summary ended without a word: the sweep still exits non-zero.
 _NO_RESULT_EXIT_CODE = 1
 _LOST = (
@@ -70,6 +77,42 @@ def parent_run_id(sweep_dir: Path, tracking_uri: str) -> str | None:
     return sweep["parent_run_id"] if sweep["tracking_uri"] == tracking_uri else None
 
 
+def job_run_name(sweep_dir: Path, job_overrides: Sequence[str]) -> str | None:
+    """A job's run name: its values of the keys the sweep varies (`fallback=strict`,
+    `backend=aoti model=mlp`), in the order the command gave them; None where the sweep varies
+    nothing (one job) or has not said which keys it varies."""
+    path = sweep_dir / SWEEP_FILE
+    if not path.exists():
+        return None
+    varying = json.loads(path.read_text()).get("varying", [])
+    own = {_key(override): override for override in _parsed(job_overrides)}
+    named = [f"{key}={own[key].get_value_element_as_str()}" for key in varying if key in own]
+    return " ".join(named)[:_MAX_RUN_NAME] or None
+
+
+def _job_run_name(sweep_dir: Path, job: str) -> str:
+    """The run name of the sweep's job in folder `job`, from the overrides Hydra kept there."""
+    path = sweep_dir / job / _JOB_OVERRIDES
+    overrides = list(OmegaConf.load(path)) if path.exists() else []
+    return job_run_name(sweep_dir, overrides) or job
+
+
+def _sweep_overrides(config: DictConfig) -> list[str]:
+    """The sweep's overrides: the sweeper's `params` from the config, then the command's."""
+    params: Mapping[str, Any] = config.hydra.sweeper.get("params") or {}
+    return [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+
+
+def _parsed(overrides: Iterable[str]) -> list[Override]:
+    return OverridesParser.create().parse_overrides(list(overrides))
+
+
+def _key(override: Override) -> str:
+    # Without `+` or `~`: a job's `+key=1` and the sweep's `+key=1,2` name the same key.
+    package = f"@{override.package}" if override.package else ""
+    return f"{override.key_or_group}{package}"
+
+
 def finish_interrupted() -> None:
     """Ctrl-C stopped the sweep: compare the jobs that ended and close the parent as KILLED."""
     if _active:
@@ -91,6 +134,8 @@ class SweepCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         overrides = " ".join(config.hydra.overrides.task)
+        swept = [o for o in _parsed(_sweep_overrides(config)) if o.is_sweep_override()]
+        varying = list(dict.fromkeys(_key(override) for override in swept))
         store = parent = None
         try:
             # Its settings and store were checked before the sweep dir was claimed
@@ -104,13 +149,19 @@ class SweepCallback(Callback):
                 # to create them.
                 store = tracking.open_store(mlflow)
                 tags = {"sweep.overrides": overrides, "sweep.dir": str(sweep_dir)}
-                name = f"sweep-{datetime.now():%Y-%m-%d-%H-%M-%S}"
-                parent = tracking.start_run(store, name, now_ms(), {}, tags)
+                # What the sweep varies names it (its time is the run's own).
+                name = " ".join(["sweep", *(override.input_line for override in swept)])
+                parent = tracking.start_run(store, name[:_MAX_RUN_NAME], now_ms(), {}, tags)
         except ExporterError as error:
             stop_before_any_job(error)
         write_json(
             sweep_dir / SWEEP_FILE,
-            {"parent_run_id": parent, "tracking_uri": mlflow.tracking_uri, "overrides": overrides},
+            {
+                "parent_run_id": parent,
+                "tracking_uri": mlflow.tracking_uri,
+                "overrides": overrides,
+                "varying": varying,
+            },
         )
         _active.append(_Sweep(sweep_dir, overrides, store, parent))
 
@@ -147,10 +198,7 @@ def _finish(sweep: _Sweep, interrupted: bool, launcher_failed: bool = False) -> 
             except ExporterError as error:
                 log.error("[%s] %s", error.stage, error)
     status = "KILLED" if interrupted else ("FAILED" if failed or launcher_failed else "FINISHED")
-    note = "\n".join(
-        f"- {s.job}: {s.status}" + (f" at {s.failed_stage}" if s.failed_stage else "")
-        for s in summaries
-    )
+    note = "\n".join(f"- {_job_run_name(sweep.dir, s.job)}: {s.verdict()}" for s in summaries)
     tags = {
         "status": OUTCOMES[status],
         "exit_code": str(exit_code),
@@ -161,6 +209,13 @@ def _finish(sweep: _Sweep, interrupted: bool, launcher_failed: bool = False) -> 
         "jobs_passed": len(summaries) - len(failed),
         "jobs_failed": len(failed),
     }
+    # The sweep's worst, in the columns where its jobs show their own.
+    speedups = [s.worst_speedup_vs_eager for s in summaries if s.worst_speedup_vs_eager]
+    ratios = [s.worst_error_ratio for s in summaries if s.worst_error_ratio is not None]
+    if speedups:
+        metrics["worst_speedup_vs_eager"] = min(speedups)
+    if ratios:
+        metrics["worst_error_ratio"] = max(ratios)
     files.append(sweep.dir / SWEEP_FILE)
     try:
         tracking.end_sweep_run(sweep.store, sweep.parent_run_id, status, metrics, tags, files)

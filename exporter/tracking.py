@@ -16,6 +16,7 @@ every use of a SQLite store here holds a lock file beside the database first.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from exporter import tracking_server
 from exporter.comparison import JobSummary
@@ -53,9 +54,28 @@ _HTTP_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TI
 # Python package has no constant for them): models trained or exported, not GenAI traces. The UI
 # writes it when a user picks a kind. MLflow 3.17.2's UI does not read it when it opens an
 # experiment: the URL's `workflowType`, else the browser's last toggle, picks GenAI or Model
-# training (tests/mlflow_ui.py's experiment_url).
+# training (runs_view_url).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_DEVELOPMENT = "custom_model_development"
+# A view of the runs table that MLflow's UI opens from a link (`viewStateShareKey`) and lists
+# among the experiment's saved views: an experiment tag holding the table's columns, as the UI
+# writes one when a user saves a view (3.17.2: JSON {name, createdAt, updatedAt, state}, the
+# state a JSON string). Right of each run's name and start, how it ended: its status, worst
+# speedup over eager, worst error over eager's own and the verdict line (its description).
+RUNS_VIEW_KEY = "exporter"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_NAME = "exporter: verdict and speed"
+RUNS_VIEW_COLUMNS = {
+    # Column id (the UI's canonical key) -> width in pixels (None: the UI's own).
+    "tags.`status`": 90,
+    "metrics.`worst_speedup_vs_eager`": 170,
+    "metrics.`worst_error_ratio`": 130,
+    "attributes.`Description`": 420,
+    "tags.`backend`": None,
+    "tags.`model`": None,
+}
+# The run dir's name of the job a run records: a sweep's job folder (`1-llama-executorch`).
+JOB_TAG = "job"
 # The metrics a validation report gives at each live shape's step, and the statistic of each.
 PER_SHAPE_METRICS = {
     "max_abs_err": "max_abs",
@@ -200,16 +220,20 @@ def end_sweep_run(
             store.client.set_terminated(run_id, status, end_time=now_ms())
 
 
-def fail_lost_job_run(store: Store, parent_run_id: str, run_name: str, error: str) -> None:
-    """Closes FAILED, with `error`, the run of a sweep's job named `run_name` if it is still
-    RUNNING: its job's process died with no one left to close it."""
-    run_id = child_run_tagged(store, parent_run_id, MLFLOW_RUN_NAME, run_name)
+def fail_lost_job_run(store: Store, parent_run_id: str, job: str, error: str) -> None:
+    """Closes FAILED, with `error`, the run of a sweep's job whose folder is `job` if it is
+    still RUNNING: its job's process died with no one left to close it."""
+    run_id = child_run_tagged(store, parent_run_id, JOB_TAG, job)
     if run_id is None:
         return
     with _written(store, run_id), _serialized(store.uri):
         if store.client.get_run(run_id).info.status != "RUNNING":
             return
-        tags = {"status": OUTCOMES["FAILED"], "error": error}
+        tags = {
+            "status": OUTCOMES["FAILED"],
+            "error": error,
+            "mlflow.note.content": f"no result: {error}",
+        }
         _log_batched(store.client, run_id, {}, [], tags)
         store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
 
@@ -320,14 +344,15 @@ def _prepared_uri(uri: str) -> str:
 
 def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
     """The experiment's id, created as a model-development experiment where it is missing; an
-    experiment without a kind (made before jobs set one) gets it, one with a kind keeps it."""
+    experiment without a kind (made before jobs set one) gets it, one with a kind keeps it. The
+    runs view is written where it is missing or differs."""
     experiment = client.get_experiment_by_name(cfg.experiment)
     if experiment is None:
         try:
             return client.create_experiment(
                 cfg.experiment,
                 artifact_location=cfg.artifact_location or None,
-                tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT},
+                tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT, RUNS_VIEW_TAG: _runs_view()},
             )
         except MlflowException:
             # Another job created it since we looked.
@@ -336,7 +361,50 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig) -> str:
                 raise
     if EXPERIMENT_KIND_TAG not in experiment.tags:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
+    if _view_of(experiment.tags.get(RUNS_VIEW_TAG)) != _view_of(_runs_view()):
+        client.set_experiment_tag(experiment.experiment_id, RUNS_VIEW_TAG, _runs_view())
     return experiment.experiment_id
+
+
+def runs_view_url(base_url: str, experiment_id: str) -> str:
+    """The link that opens an experiment on its runs, in the columns of RUNS_VIEW_COLUMNS.
+
+    The runs tab's own path: MLflow 3.17.2's UI drops the view's key from the link when it
+    redirects from the experiment's page to a tab. `workflowType` shows the experiment as model
+    training, not as GenAI work (traces, judges), whatever the browser chose last.
+    """
+    query = f"workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}"
+    return f"{base_url}/#/experiments/{experiment_id}/runs?{query}"
+
+
+def _runs_view() -> str:
+    """The runs view's tag value. It sets no order: sorted by anything but the start, the UI
+    lists a sweep's jobs beside its parent instead of under it. A sweep's parent opens closed
+    (a view cannot open it), with its jobs' worst figures in its own columns."""
+    state = {
+        "selectedColumns": list(RUNS_VIEW_COLUMNS),
+        # Run Name and Created stay first (pinned); the run's duration goes after these.
+        "columnOrder": [*RUNS_VIEW_COLUMNS, "duration"],
+        "columnWidths": {column: px for column, px in RUNS_VIEW_COLUMNS.items() if px},
+    }
+    created = now_ms()
+    return json.dumps(
+        {
+            "name": RUNS_VIEW_NAME,
+            "createdAt": created,
+            "updatedAt": created,
+            "state": json.dumps(state),
+        }
+    )
+
+
+def _view_of(tag: str | None) -> tuple[str, str] | None:
+    """A runs view's name and state, without the times it was written."""
+    try:
+        view = json.loads(tag) if tag else None
+        return (view["name"], view["state"]) if isinstance(view, dict) else None
+    except (ValueError, KeyError):
+        return None
 
 
 def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
@@ -436,9 +504,13 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     tags.update({f"repair.{key}": value for key, value in summary.repair.items()})
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
+    # The run's description in MLflow's UI, and a column of the runs view: the verdict, then
+    # the whole error where the verdict shows only its first line.
+    tags["mlflow.note.content"] = summary.verdict()
     if summary.error:
         tags["error"] = summary.error[:5000]
-        tags["mlflow.note.content"] = f"Failed at {summary.failed_stage}:\n\n{summary.error}"
+        if "\n" in summary.error:
+            tags["mlflow.note.content"] += f"\n\n{summary.error}"
     return tags
 
 

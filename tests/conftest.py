@@ -98,7 +98,8 @@ class SweepResult:
         sweep_dir = str(self.sweep_dir)
         (parent,) = [r for r in runs if r.data.tags.get("sweep.dir") == sweep_dir]
         children = [r for r in runs if r.data.tags.get(MLFLOW_PARENT_RUN_ID) == parent.info.run_id]
-        return parent, sorted(children, key=lambda run: run.info.run_name)
+        # A job's folder, which its `job` tag names, starts with its number.
+        return parent, sorted(children, key=lambda run: int(run.data.tags["job"].split("-")[0]))
 
 
 def run_sweep(workdir: Path, sweep_dir: Path, *overrides: str) -> SweepResult:

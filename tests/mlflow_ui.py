@@ -95,38 +95,30 @@ def _wait_healthy(
     raise RuntimeError(f"mlflow server at {base_url} never became healthy ({state}):\n{tail}")
 
 
-def experiment_url(base_url: str, experiment_id: str) -> str:
-    """The link that opens an experiment on its runs.
-
-    MLflow 3.17.2's UI shows an experiment either as GenAI work (Overview, traces, judges) or as
-    model training (its runs), by the URL's `workflowType`, else by the browser's last choice of
-    the sidebar's toggle, GenAI at first; it does not read the experiment's own kind tag.
-    """
-    return f"{base_url}/#/experiments/{experiment_id}?workflowType=machine_learning"
-
-
 @dataclass(frozen=True)
 class SweepView:
     """What a user sees of a sweep: the title of the page its experiment opens on, the runs
-    listed once every parent is expanded, and the points of one run's metric chart."""
+    table as it opens and once every parent is expanded (each run's name -> its cells' text by
+    column id), and the points of one run's metric chart."""
 
     opened_on: str
-    run_names: list[str]
+    opened: dict[str, dict[str, str]]
+    expanded: dict[str, dict[str, str]]
     chart_points: list[tuple[float, float]]
 
 
 def browse_sweep(
-    base_url: str,
-    experiment_id: str,
+    url: str,
     expect_names: list[str],
     chart_run: str,
     metric: str,
     screenshots: Path,
     timeout_s: float = 60,
 ) -> SweepView:
-    """Open the experiment in Chromium and expand its runs until every name in `expect_names` is
-    listed, then open `chart_run` and find the chart of `metric` on its Model metrics tab, as a
-    user clicks through. Saves a full-page screenshot of each page in `screenshots`."""
+    """Open `url` in Chromium, read the runs table, expand its runs until every name in
+    `expect_names` is listed and read it again, then open `chart_run` and find the chart of
+    `metric` on its Model metrics tab, as a user clicks through. Saves a full-page screenshot of
+    each page in `screenshots`."""
     with sync_playwright() as pw, tempfile.TemporaryDirectory() as user_data_dir:
         # A fresh profile each time: the UI remembers in local storage which parents are open
         # and which workflow was chosen last.
@@ -140,9 +132,12 @@ def browse_sweep(
         context.set_default_timeout(timeout_s * 1000)
         try:
             page = context.new_page()
-            page.goto(experiment_url(base_url, experiment_id))
+            page.goto(url)
             opened_on = _settled_title(page, timeout_s)
-            run_names = _expand_until_visible(page, expect_names, timeout_s)
+            opened = _table(page)
+            page.screenshot(path=screenshots / "opened.png", full_page=True)
+            _expand_until_visible(page, expect_names, timeout_s)
+            expanded = _table(page)
             page.screenshot(path=screenshots / "experiment.png", full_page=True)
 
             page.locator(RUN_LINK).filter(has_text=re.compile(f"^{re.escape(chart_run)}$")).click()
@@ -155,9 +150,29 @@ def browse_sweep(
             plot.wait_for()
             steps, values = plot.evaluate("chart => [chart.data[0].x, chart.data[0].y]")
             page.screenshot(path=screenshots / "chart.png", full_page=True)
-            return SweepView(opened_on, run_names, list(zip(steps, values, strict=True)))
+            return SweepView(opened_on, opened, expanded, list(zip(steps, values, strict=True)))
         finally:
             context.close()
+
+
+def _table(page: Page) -> dict[str, dict[str, str]]:
+    """The runs listed: each one's name -> the text of its cells by column id. A row is split
+    between the grid's pinned and scrolled parts, which share its row id; the grid renders only
+    the columns in view, so a column scrolled out of sight is missing."""
+    table = {}
+    row_ids = page.locator(".ag-row[row-id]").evaluate_all(
+        "rows => [...new Set(rows.map(row => row.getAttribute('row-id')))]"
+    )
+    for row_id in row_ids:
+        row = page.locator(f'.ag-row[row-id="{row_id}"]')
+        name = row.locator(f'{RUN_NAME_CELL} a[href*="/runs/"]')
+        if not name.count() or not name.is_visible():
+            continue
+        cells = row.locator(".ag-cell[col-id]").evaluate_all(
+            "cells => cells.map(cell => [cell.getAttribute('col-id'), cell.innerText.trim()])"
+        )
+        table[name.inner_text()] = dict(cells)
+    return table
 
 
 def _settled_title(page: Page, timeout_s: float) -> str:
@@ -169,7 +184,7 @@ def _settled_title(page: Page, timeout_s: float) -> str:
     return page.locator(PAGE_TITLE).first.inner_text()
 
 
-def _expand_until_visible(page: Page, expect_names: list[str], timeout_s: float) -> list[str]:
+def _expand_until_visible(page: Page, expect_names: list[str], timeout_s: float) -> None:
     # Child runs start collapsed under their parent, and a child may be a parent itself, so this
     # expands level by level, each expander once: a second click would collapse it again.
     deadline = time.monotonic() + timeout_s
@@ -178,7 +193,7 @@ def _expand_until_visible(page: Page, expect_names: list[str], timeout_s: float)
     while True:
         visible = [link.inner_text() for link in page.locator(RUN_LINK).all() if link.is_visible()]
         if set(expect_names) <= set(visible):
-            return visible
+            return
         if time.monotonic() > deadline:
             missing = sorted(set(expect_names) - set(visible))
             raise TimeoutError(f"runs {missing} not shown after {timeout_s}s; visible: {visible}")

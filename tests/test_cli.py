@@ -57,6 +57,14 @@ def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: Cl
     (run,) = mlp_job.mlflow_runs()
     assert run.info.status == "FINISHED"
     assert run.data.tags["status"] == "passed"
+    assert (run.info.run_name, run.data.tags["job"]) == ("mlp-executorch", mlp_job.run_dir.name)
+    # Its description, the verdict line, with the figures of its metrics.
+    ratio, speedup = (
+        run.data.metrics[f"worst_{key}"] for key in ("error_ratio", "speedup_vs_eager")
+    )
+    assert run.data.tags["mlflow.note.content"].startswith(
+        f"passed at 7 live shapes: worst error {ratio:.2g}x eager's own, {speedup:.2f}x"
+    )
     assert run.data.tags["model"] == "mlp"
     assert run.data.tags["backend"] == "executorch"
     assert run.data.tags["fallback"] == "strict"

@@ -208,3 +208,24 @@ def test_a_narrow_terminal_drops_the_least_telling_columns_first() -> None:
     table = comparison.text(strict_sweep(), width=80)
     assert max(map(len, table.splitlines())) <= 80, table
     assert table.splitlines()[0].split() == ["job", "fallback", "status", "error"]
+
+
+def test_the_verdict_line_says_how_the_job_ended_and_its_figures() -> None:
+    job = passed("0-mlp-executorch", "executorch")
+    assert job.verdict() == (
+        "passed at 3 live shapes: worst error 8.5e-08, 1.00x to 2.00x eager's speed"
+    )
+    # Eager's own error measured: the ratio; speedups that round alike: one figure.
+    job.worst_error_ratio, job.speedup_vs_eager = 2.64453, [5.8496, 5.8504, None]
+    assert job.verdict() == (
+        "passed at 3 live shapes: worst error 2.6x eager's own, 5.85x eager's speed"
+    )
+    # A failure's first line only: the rest is the run's error and description.
+    assert strict_sweep()[1].verdict() == (
+        "failed at lower (exit 4): fallback=strict: 2 compute nodes would run outside the "
+        "XNNPACK delegate:"
+    )
+    killed = JobSummary("0-mlp-eager", {}, "killed", 143, "validate", "stopped by SIGTERM")
+    assert killed.verdict() == "killed during validate (exit 143): stopped by SIGTERM"
+    lost = JobSummary("0-mlp-eager", {}, "no result", None)
+    assert lost.verdict().startswith("no result: ")

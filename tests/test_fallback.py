@@ -91,7 +91,7 @@ def test_fallback_op_count_is_logged_with_the_delegated_fraction(
     _, children = sweep.parent_and_children()
     for fallback in ("auto", "data_dependent"):
         folder = job_dir(sweep, model, "executorch", fallback)
-        (run,) = [run for run in children if run.info.run_name == folder.name]
+        (run,) = [run for run in children if run.data.tags["job"] == folder.name]
         report = partition(folder)
         outside = sum(node["placement"] == "cpu" for node in report["nodes"])
         assert run.data.metrics["fallback_op_count"] == report["fallback_op_count"] == outside > 0

@@ -3,6 +3,7 @@ run status and the stage it was in, and no partial folder left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -68,6 +69,12 @@ def test_ctrl_c_while_lowering_ends_the_run_killed_at_lower_with_no_partial_fold
     assert run.info.status == "KILLED"
     assert (run.data.tags["status"], run.data.tags["failed_stage"]) == ("killed", "lower")
     assert run.data.tags["exit_code"] == "130"
+    # What stopped it, in the summary, the run's error and its description.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["error"] == run.data.tags["error"] == "stopped by Ctrl-C (SIGINT)"
+    assert run.data.tags["mlflow.note.content"] == (
+        "killed during lower (exit 130): stopped by Ctrl-C (SIGINT)"
+    )
     assert leftovers(tmp_path) == []
 
 

@@ -116,7 +116,7 @@ def test_a_parallel_sweep_against_a_server_reads_back_through_it(
             dst_path=str(tmp_path / child.info.run_id),
             tracking_uri=uri,
         )
-        job_dir = sweep.sweep_dir / child.info.run_name
+        job_dir = sweep.sweep_dir / child.data.tags["job"]
         local = json.loads((job_dir / "report.json").read_text())
         assert json.loads(Path(fetched).read_text()) == local
     executorch = next(r for r in children if r.data.tags["backend"] == "executorch")

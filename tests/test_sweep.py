@@ -49,22 +49,48 @@ def test_each_job_gets_a_run_nested_under_the_sweeps_parent(failing_sweep: Sweep
     assert parent.data.tags["sweep.overrides"].endswith(
         " model=mlp backend=eager,executorch dynamic.batch.min=1,65"
     )
-    assert parent.data.metrics == {"jobs": 4, "jobs_passed": 2, "jobs_failed": 2}
-    by_name = {run.info.run_name: run for run in children}
-    assert sorted(by_name) == ["0-mlp-eager", "1-mlp-eager", "2-mlp-executorch", "3-mlp-executorch"]
-    for name in ("1-mlp-eager", "3-mlp-executorch"):
-        failed = by_name[name]
+    # Named by what the sweep varies: the parent by its swept overrides, each job by its values.
+    assert parent.info.run_name == "sweep backend=eager,executorch dynamic.batch.min=1,65"
+    assert [run.info.run_name for run in children] == [
+        "backend=eager dynamic.batch.min=1",
+        "backend=eager dynamic.batch.min=65",
+        "backend=executorch dynamic.batch.min=1",
+        "backend=executorch dynamic.batch.min=65",
+    ]
+    by_job = {run.data.tags["job"]: run for run in children}
+    assert list(by_job) == ["0-mlp-eager", "1-mlp-eager", "2-mlp-executorch", "3-mlp-executorch"]
+    for job in ("1-mlp-eager", "3-mlp-executorch"):
+        failed = by_job[job]
         assert failed.info.status == "FAILED"
         assert failed.data.tags["failed_stage"] == "config"
         assert "min (65) is greater than max (64)" in failed.data.tags["error"]
-    for name in ("0-mlp-eager", "2-mlp-executorch"):
-        assert by_name[name].info.status == "FINISHED"
-        assert by_name[name].data.metrics["worst_max_abs_err"] < 1e-6
+        assert failed.data.tags["mlflow.note.content"].startswith("failed at config (exit 2): ")
+    for job in ("0-mlp-eager", "2-mlp-executorch"):
+        assert by_job[job].info.status == "FINISHED"
+        assert by_job[job].data.metrics["worst_max_abs_err"] < 1e-6
+        assert by_job[job].data.tags["mlflow.note.content"].startswith("passed at 7 live shapes")
+    # The parent's figures are its jobs' worst, in the columns where each job shows its own.
+    assert parent.data.metrics == {
+        "jobs": 4,
+        "jobs_passed": 2,
+        "jobs_failed": 2,
+        "worst_speedup_vs_eager": min(
+            by_job[job].data.metrics["worst_speedup_vs_eager"]
+            for job in ("0-mlp-eager", "2-mlp-executorch")
+        ),
+        "worst_error_ratio": max(
+            by_job[job].data.metrics["worst_error_ratio"]
+            for job in ("0-mlp-eager", "2-mlp-executorch")
+        ),
+    }
+    description = parent.data.tags["mlflow.note.content"].splitlines()
+    assert description[2].startswith("- backend=eager dynamic.batch.min=1: passed at 7 live shapes")
+    assert description[3].startswith("- backend=eager dynamic.batch.min=65: failed at config")
     # Job 2 needs the same exported program and goldens as job 0: it reuses them.
-    assert by_name["0-mlp-eager"].data.tags["cache_hit"] == "false"
-    assert by_name["2-mlp-executorch"].data.tags["cache_hit.export"] == "true"
-    assert by_name["2-mlp-executorch"].data.tags["cache_hit.goldens"] == "true"
-    assert by_name["2-mlp-executorch"].data.tags["cache_hit.lower"] == "false"
+    assert by_job["0-mlp-eager"].data.tags["cache_hit"] == "false"
+    assert by_job["2-mlp-executorch"].data.tags["cache_hit.export"] == "true"
+    assert by_job["2-mlp-executorch"].data.tags["cache_hit.goldens"] == "true"
+    assert by_job["2-mlp-executorch"].data.tags["cache_hit.lower"] == "false"
 
 
 def test_the_comparison_table_marks_the_failed_rows(failing_sweep: SweepResult) -> None:

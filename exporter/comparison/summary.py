@@ -7,6 +7,7 @@ sweep's comparison reads them back from the sweep dir.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -37,6 +38,8 @@ class JobSummary:
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
+    # The artifact's worst error over eager's own at the model's dtype (None: not measured).
+    worst_error_ratio: float | None = None
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
@@ -120,6 +123,8 @@ class JobSummary:
             summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")
             summary.worst_nrmse = record.report.worst("nrmse")
+            ratio = record.report.worst("ratio")
+            summary.worst_error_ratio = None if math.isnan(ratio) else ratio
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
         if record.weights_audit:
@@ -149,6 +154,34 @@ class JobSummary:
                 "eager_device": record.benchmark.eager_device or "none",
             }
         return summary
+
+    def verdict(self) -> str:
+        """How the job ended, in one line: `passed at 7 live shapes: worst error 0.8x eager's
+        own, 1.9x to 3.2x eager's speed`, `failed at lower (exit 4): ...`, `killed during
+        validate (exit 143): stopped by SIGTERM`."""
+        if self.exit_code is None:
+            return "no result: the job's process ended without recording how the job ended"
+        if self.status == "passed":
+            figures = ", ".join(self._figures())
+            return f"passed at {len(self.shapes)} live shapes" + (f": {figures}" if figures else "")
+        where = "during" if self.status == "killed" else "at"
+        reason = (self.error or "").splitlines()[0] if self.error else ""
+        return f"{self.status} {where} {self.failed_stage} (exit {self.exit_code})" + (
+            f": {reason}" if reason else ""
+        )
+
+    def _figures(self) -> list[str]:
+        figures = []
+        if self.worst_error_ratio is not None:
+            figures.append(f"worst error {self.worst_error_ratio:.2g}x eager's own")
+        elif self.worst_max_abs_err is not None:
+            figures.append(f"worst error {self.worst_max_abs_err:.3g}")
+        speedups = [speedup for speedup in self.speedup_vs_eager if speedup is not None]
+        if speedups:
+            low, high = min(speedups), max(speedups)
+            span = f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}x to {high:.2f}x"
+            figures.append(f"{span} eager's speed")
+        return figures
 
     @classmethod
     def missing(cls, job_dir: Path) -> JobSummary:
