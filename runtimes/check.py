@@ -5,8 +5,9 @@ and this package.
 It runs the bundle's plan as the job's validate stage does (runtimes/verdict/), prints a line
 per execution and the same table, and writes the same report.json, with a `check` section that
 says where it ran and which run the bundle came from; `python -m exporter track report=PATH`
-attaches that report to the run. It imports nothing of the exporter, the model's libraries,
-Hydra or MLflow.
+attaches that report to the run. What native libraries print (ExecuTorch's C++ log lines) goes
+to native.log beside the report, not to the terminal. It imports nothing of the exporter, the
+model's libraries, Hydra or MLflow.
 
 Exit codes: 0 every live shape passed, 1 one failed, 2 the bundle is incomplete or a file does
 not match its checksum (the message names the file), or the report cannot be written where
@@ -16,6 +17,7 @@ asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import socket
@@ -26,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runtimes import Loaded, load, verdict
+from runtimes import Loaded, load, native_log, verdict
 from runtimes.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.files import atomic_path
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
@@ -49,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BAD_BUNDLE
     device = args.device or bundle.device
     report_path = Path(args.report) if args.report else folder / REPORT_FILE
+    native = report_path.parent / native_log.NATIVE_LOG
+    # Where the report's folder cannot be written, its own error says so, later.
+    with contextlib.suppress(OSError):
+        native_log.to_file(native)
+        print(f"[check] native libraries' lines go to {native}")
     print(f"[check] bundle {folder} ({bundle.total_bytes / 1e6:.1f} MB), {_source(bundle)}")
     print(
         f"[check] {bundle.artifact} on runtime {bundle.runtime}, device {device}; "

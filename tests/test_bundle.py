@@ -72,7 +72,7 @@ def test_an_executorch_bundle_checks_without_the_exporter_and_matches_the_job(
     )
     assert len(manifest["shapes"]) == 7
     assert len(manifest["executions"]) == 14
-    assert manifest["executions"][-1] == [manifest["shapes"][0], "fresh"]
+    assert manifest["executions"][-1] == [manifest["shapes"][0], "new instance"]
 
     completed = check(bundle, tmp_path / "report.json")
 

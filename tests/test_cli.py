@@ -139,7 +139,7 @@ def test_llama_on_executorch_matches_eager_at_every_planned_size(
     assert report["passed"]
     executions = [(e["shape"]["seq"], e["instance"]) for e in report["executions"]]
     down_and_up = sizes[::-1] + sizes[1:]
-    assert executions == [(size, "reused") for size in down_and_up] + [(1, "fresh")]
+    assert executions == [(size, "same instance") for size in down_and_up] + [(1, "new instance")]
     assert run.data.metrics["worst_max_abs_err"] < 1e-4
 
 

@@ -7,6 +7,7 @@ sweep's comparison reads them back from the sweep dir.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -15,6 +16,7 @@ from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
+from runtimes.verdict.shapes import label
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
@@ -37,6 +39,12 @@ class JobSummary:
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
+    # The artifact's error over eager's at the model's dtype (the report's `ratio`), at its
+    # worst live shape, and that shape; None where no shape measured it.
+    worst_error_ratio: float | None = None
+    worst_error_ratio_at: str | None = None
+    # The live shapes that failed validation, by label (`seq=1`).
+    failed_shapes: list[str] = field(default_factory=list)
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
@@ -62,8 +70,10 @@ class JobSummary:
     # went on with draft_export's program (export.on_failure=draft).
     export_failures: list[str] = field(default_factory=list)
     draft: bool = False
-    # Wall seconds per stage that ran: config, model, export, lower, goldens, validate.
+    # Wall seconds per stage that ran: config, startup, model, export, lower, goldens, validate.
     seconds: dict[str, float] = field(default_factory=dict)
+    # Wall seconds from the job's start (its config composed) to its record's end.
+    total_s: float | None = None
     # Peak RSS of the job's worker per stage that ran and over the job, the model's weights, and
     # the job's peak over them (JobRecord says what each covers). Host memory only.
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -96,6 +106,7 @@ class JobSummary:
             exit_code=record.exit_code,
             failed_stage=record.failed_stage,
             seconds=dict(record.seconds),
+            total_s=(record.ended_ms - record.started_ms) / 1000 if record.ended_ms else None,
             peak_rss_bytes=dict(record.peak_rss_bytes),
             job_peak_rss_bytes=record.job_peak_rss_bytes,
             peak_rss_scope=record.peak_rss_scope,
@@ -122,6 +133,12 @@ class JobSummary:
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
+            summary.failed_shapes = [label(result.shape) for result in results if not result.passed]
+            ratios = [r for r in results if not math.isnan(r.stats["ratio"])]
+            if ratios:
+                worst = max(ratios, key=lambda result: result.stats["ratio"])
+                summary.worst_error_ratio = worst.stats["ratio"]
+                summary.worst_error_ratio_at = label(worst.shape)
         if record.weights_audit:
             found = record.weights_audit
             summary.weights_checked = len(found.checked)
@@ -149,6 +166,12 @@ class JobSummary:
                 "eager_device": record.benchmark.eager_device or "none",
             }
         return summary
+
+    def speedup_range(self) -> tuple[float, float] | None:
+        """The smallest and largest speedup over eager among the live shapes the benchmark timed
+        beside eager; None where it timed none."""
+        speedups = [speedup for speedup in self.speedup_vs_eager if speedup is not None]
+        return (min(speedups), max(speedups)) if speedups else None
 
     @classmethod
     def missing(cls, job_dir: Path) -> JobSummary:
