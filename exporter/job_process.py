@@ -123,8 +123,6 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
 def _work(events_fd: int) -> None:
     """The worker: the job's stages, its record and its MLflow run."""
     job, cfg, context, logging_config = pickle.load(sys.stdin.buffer)
-    # Before any native library loads: their lines go to the run dir, the job's log stays clear.
-    native_log.to_file(context.run_dir / native_log.NATIVE_LOG)
     logging.config.dictConfig(logging_config)
     # Python's warnings (torch.export's among them) go to the job's log, not to stderr alone.
     logging.captureWarnings(True)
@@ -137,7 +135,9 @@ def _work(events_fd: int) -> None:
         def notify(kind: str, value: object) -> None:
             events.write(json.dumps([kind, value]) + "\n")
 
-        exit_code = pipeline.run(job, cfg, context, notify)
+        # Native libraries' lines go to the run dir: the terminal gets the job's log.
+        with native_log.routed_to(context.run_dir / native_log.NATIVE_LOG):
+            exit_code = pipeline.run(job, cfg, context, notify)
         notify("exit_code", exit_code)
     sys.exit(exit_code)
 

@@ -69,13 +69,13 @@ def _outcome(summary: JobSummary, exit_code: int) -> str:
         tracking = "; its MLflow run was not written" if exit_code else ""
         return f"PASSED {took}{shapes}{tracking}"
     if summary.failed_stage == "validate" and summary.failed_shapes:
-        failed = ", ".join(summary.failed_shapes)
-        return (
-            f"FAILED {took} validation at {len(summary.failed_shapes)} of {len(summary.shapes)} "
-            f"live shapes: {failed}"
+        why = (
+            f"{len(summary.failed_shapes)} of {len(summary.shapes)} live shapes failed: "
+            + ", ".join(summary.failed_shapes)
         )
-    error = (summary.error or "").split("\n", 1)[0]
-    return f"FAILED {took} at the {summary.failed_stage} stage: {error}"
+    else:
+        why = (summary.error or "").split("\n", 1)[0]
+    return f"FAILED {took} at the {summary.failed_stage} stage: {why}"
 
 
 def _figures(summary: JobSummary) -> list[str]:

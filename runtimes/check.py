@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import socket
 import sys
@@ -51,11 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BAD_BUNDLE
     device = args.device or bundle.device
     report_path = Path(args.report) if args.report else folder / REPORT_FILE
-    native = report_path.parent / native_log.NATIVE_LOG
-    # Where the report's folder cannot be written, its own error says so, later.
-    with contextlib.suppress(OSError):
-        native_log.to_file(native)
-        print(f"[check] native libraries' lines go to {native}")
     print(f"[check] bundle {folder} ({bundle.total_bytes / 1e6:.1f} MB), {_source(bundle)}")
     print(
         f"[check] {bundle.artifact} on runtime {bundle.runtime}, device {device}; "
@@ -80,16 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     def after_each(number: int, execution: Execution) -> None:
         print(f"[check] {execution_line(number, len(bundle.executions), execution)}", flush=True)
 
+    native = report_path.parent / native_log.NATIVE_LOG
+    # A folder the report cannot go to is said when the report is written.
+    writable = os.access(report_path.parent, os.W_OK)
     try:
-        report = verdict.run(
-            bundle.output_names,
-            load_artifact,
-            bundle.shapes,
-            bundle.executions,
-            goldens,
-            bundle.tolerances,
-            after_each,
-        )
+        with native_log.routed_to(native) if writable else contextlib.nullcontext():
+            report = verdict.run(
+                bundle.output_names,
+                load_artifact,
+                bundle.shapes,
+                bundle.executions,
+                goldens,
+                bundle.tolerances,
+                after_each,
+            )
     except KeyboardInterrupt:
         print("[check] stopped by Ctrl-C; no report written", file=sys.stderr)
         return STOPPED

@@ -1,18 +1,22 @@
 """Native libraries' own lines go to a file, not the terminal.
 
-ExecuTorch's C++ runtime (`[cpuinfo_utils.cpp:71] Reading file ...`, `[threadpool.cpp:66]
-Resetting threadpool ...`), its kernels and a crash's last words write to file descriptor 2
-directly, below Python's logging, so no logging setting reaches them. `to_file` points that
-descriptor at a file; Python's own stderr (a traceback, a progress bar) keeps writing where it
-wrote before. Python's fault handler writes there too: a segfault's Python stack is in that
-file, after whatever the native code said before it died.
+ExecuTorch's C++ runtime logs (`[cpuinfo_utils.cpp:71] Reading file ...`, `[threadpool.cpp:66]
+Resetting threadpool ...`) through its Python bindings to Python's stderr, other native code
+(kernels, a crash's last words) to file descriptor 2 directly: below Python's logging, so no
+logging setting reaches them. `routed_to` points that descriptor, which Python's stderr writes
+to, at a file for the length of a block. The job's own lines go through its log to stdout; an
+exception that leaves the block is printed where stderr wrote before. Python's fault handler
+writes to the descriptor too: a segfault inside the block leaves its Python stack in the file,
+after whatever the native code said before it died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 NATIVE_LOG = "native.log"
@@ -20,17 +24,22 @@ NATIVE_LOG = "native.log"
 _FAULT_HANDLER = "Fatal Python error"
 
 
-def to_file(path: Path) -> None:
-    """From now on, what native code writes to stderr is appended to `path`."""
+@contextlib.contextmanager
+def routed_to(path: Path) -> Iterator[None]:
+    """Inside, what is written to stderr (Python's or file descriptor 2) is appended to
+    `path`."""
     sys.stderr.flush()
-    terminal = os.dup(2)
+    before = os.dup(2)
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
     os.dup2(log, 2)
     os.close(log)
-    sys.stderr = os.fdopen(
-        terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors=sys.stderr.errors
-    )
-    faulthandler.enable(file=2)
+    faulthandler.enable()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(before, 2)
+        os.close(before)
 
 
 def last_words(path: Path, lines: int) -> str:

@@ -97,7 +97,8 @@ def delegating(result: PartitionResult, delegate: str) -> str:
         node.meta.get("delegation_tag") in tags
         for node in result.tagged_exported_program.graph.nodes
     )
-    return f"{delegate} compiles {len(tags)} partitions of {nodes} nodes in all"
+    partitions = f"{len(tags)} partition{'' if len(tags) == 1 else 's'}"
+    return f"lowering {partitions} ({nodes} nodes) to {delegate}"
 
 
 def forget_lowered_graphs() -> None:
