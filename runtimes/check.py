@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     native = report_path.parent / native_log.NATIVE_LOG
     # A folder the report cannot go to is said when the report is written.
-    writable = os.access(report_path.parent, os.W_OK)
+    writable = report_path.parent.is_dir() and os.access(report_path.parent, os.W_OK)
     try:
         with native_log.routed_to(native) if writable else contextlib.nullcontext():
             report = verdict.run(
