@@ -228,7 +228,7 @@ class Report:
 def execution_line(number: int, total: int, execution: Execution) -> str:
     """One execution as it ends, for a log: its shape, instance, worst errors and verdict."""
     return (
-        f"{number:2d}/{total} {label(execution.shape):<12} {execution.instance:<12} "
+        f"{number:2d}/{total} {label(execution.shape):<12} {execution.instance:<13} "
         f"max_abs {max(s.max_abs for s in execution.outputs):.3g} "
         f"(eager {max(s.ref_max_abs for s in execution.outputs):.3g})  "
         f"{execution.wall_ms:.3f} ms  {'ok' if execution.passed else 'FAIL'}"
