@@ -216,7 +216,7 @@ def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
     _note_job_peak(record, memory.reset_peak())
     start = time.perf_counter()
     try:
-        with progress.reported(name):
+        with progress.reported(name, progress.PERIOD_S):
             yield
     except ExporterError:
         raise

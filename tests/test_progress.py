@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from exporter import progress
+from exporter.record import JobRecord, stage
 
 
 def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -42,3 +44,15 @@ def test_a_stage_shorter_than_the_period_says_nothing_and_doing_outside_one_is_i
     with progress.reported("validate", period_s=10):
         progress.doing("judging")
     assert progress_lines(caplog) == []
+
+
+def test_every_stage_of_a_job_reports_its_progress(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(progress, "PERIOD_S", 0.1)
+    with stage(JobRecord(run_dir=tmp_path), "lower", lambda kind, value: None):
+        progress.doing("partitioning for XNNPACK")
+        time.sleep(0.35)
+    lines = progress_lines(caplog)
+    assert lines and all(line.endswith(" s: partitioning for XNNPACK") for line in lines)
