@@ -58,16 +58,16 @@ def mlflow_run_lines(tracking_uri: str, experiment_id: str, run_id: str) -> list
 
 
 def _outcome(summary: JobSummary, exit_code: int) -> str:
-    took = f"(exit {exit_code})"
+    code = f"(exit {exit_code})"
     if summary.status == "killed":
         stopped_by = signal.Signals(exit_code - 128).name if exit_code > 128 else "a signal"
         reason = f": {summary.error}" if summary.error else ""
-        return f"KILLED {took} by {stopped_by} during the {summary.failed_stage} stage{reason}"
+        return f"KILLED {code} by {stopped_by} during the {summary.failed_stage} stage{reason}"
     if summary.status == "passed":
         shapes = f" at all {len(summary.shapes)} live shapes" if summary.shapes else ""
         # A job that passed whose MLflow run could not be written exits 7.
         tracking = "; its MLflow run was not written" if exit_code else ""
-        return f"PASSED {took}{shapes}{tracking}"
+        return f"PASSED {code}{shapes}{tracking}"
     if summary.failed_stage == "validate" and summary.failed_shapes:
         why = (
             f"{len(summary.failed_shapes)} of {len(summary.shapes)} live shapes failed: "
@@ -75,7 +75,7 @@ def _outcome(summary: JobSummary, exit_code: int) -> str:
         )
     else:
         why = (summary.error or "").split("\n", 1)[0]
-    return f"FAILED {took} at the {summary.failed_stage} stage: {why}"
+    return f"FAILED {code} at the {summary.failed_stage} stage: {why}"
 
 
 def _figures(summary: JobSummary) -> list[str]:

@@ -15,7 +15,7 @@ import signal
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, config
+from exporter import backends, config, progress
 from exporter.errors import ExporterError
 from exporter.files import write_bytes
 from exporter.record import (
@@ -48,6 +48,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
         with stage(record, "startup", notify):
             # The run opens as the work starts: a job stopped by its configuration leaves none.
             if job.mlflow.enabled:
+                progress.doing(f"opening the MLflow store {job.mlflow.tracking_uri}")
                 # Imported only here: a job with mlflow=off never imports mlflow.
                 from exporter import tracking
 
@@ -56,6 +57,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
                 notify("run_id", run_id)
             # Imported only now: the stages load torch, which a configuration error need not
             # wait for.
+            progress.doing("loading torch and the stages' libraries")
             from exporter import stages
 
         stages.run(job, record, notify)
