@@ -31,6 +31,12 @@ class TrackingUnavailable(ConfigError):
     stage = "track"
 
 
+class StartupFailed(ConfigError):
+    """The job's libraries could not be loaded: this machine's setup, found before any work."""
+
+    stage = "startup"
+
+
 class ExportFailed(ExporterError):
     stage = "export"
     exit_code = 3
@@ -78,6 +84,8 @@ def stop_before_any_job(error: ExporterError) -> NoReturn:
 # The error an unexpected exception (or a crash of the job's process) in each stage becomes.
 STAGE_ERRORS: dict[str, type[ExporterError]] = {
     "config": ConfigError,
+    # Opening the MLflow run and loading the stages' libraries (torch, the backend's).
+    "startup": StartupFailed,
     "model": ModelFailed,
     "export": ExportFailed,
     "lower": LoweringFailed,

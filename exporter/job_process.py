@@ -41,6 +41,7 @@ from exporter.cache import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
 from exporter.record import JobContext, JobRecord, conclude, keep_traceback, open_run
+from runtimes import native_log
 from runtimes.files import PARTIAL_PREFIX
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 # tiny Llama took 24 ms at seq 1 (0.5 ms with waits that sleep) and the goldens 1.1-1.7 s
 # (0.1 s). A user's own setting wins.
 _THREAD_WAITS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Signals of a crash, after which native.log ends with Python's fault handler's stack (most
+# recent call first) and whatever native code said before; a SIGKILL leaves no last words.
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT}
+# The lines of native.log a crash shows on the terminal: its error and the innermost frames.
+_LAST_WORDS = 12
 
 
 @dataclass
@@ -74,7 +80,7 @@ class _Progress:
 def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) -> int:
     """Runs the job in a worker and returns its exit code. `logging_config`: the job's logging
     (Hydra's job_logging, resolved), which the worker sets up as the command's process has."""
-    record = JobRecord(run_dir=context.run_dir)
+    record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
     try:
         job = outputs.accepted(cfg)
     except ConfigError as error:
@@ -125,7 +131,9 @@ def _work(events_fd: int) -> None:
         def notify(kind: str, value: object) -> None:
             events.write(json.dumps([kind, value]) + "\n")
 
-        exit_code = pipeline.run(job, cfg, context, notify)
+        # Native libraries' lines go to the run dir: the terminal gets the job's log.
+        with native_log.routed_to(context.run_dir / native_log.NATIVE_LOG):
+            exit_code = pipeline.run(job, cfg, context, notify)
         notify("exit_code", exit_code)
     sys.exit(exit_code)
 
@@ -211,9 +219,13 @@ def _died(
         failure = STAGE_ERRORS[record.stage]
         record.error = failure(
             f"the job's process {_death(worker.returncode)} {where}; its log in {context.run_dir} "
-            "ends where it stopped."
+            f"ends where it stopped, and {native_log.NATIVE_LOG} there with what native code and "
+            "Python's fault handler said last."
         )
         log.error("[%s] %s", record.error.stage, record.error)
+        if worker.returncode is not None and -worker.returncode in _CRASHES:
+            last = native_log.last_words(context.run_dir / native_log.NATIVE_LOG, _LAST_WORDS)
+            log.error("[%s] the end of %s:\n%s", record.stage, native_log.NATIVE_LOG, last)
     _remove_partial_files(job, context.run_dir, worker.pid)
     store, run_id = open_run(cfg, context, record, progress.run_id)
     return conclude(record, context, store, run_id)

@@ -1,10 +1,11 @@
-"""One job: config -> model -> export -> lower -> goldens -> validate -> track.
+"""One job: config -> startup -> model -> export -> lower -> goldens -> validate -> track.
 
 Runs in the job's worker process (exporter/job_process.py). The config stage checks what only
-the backend's toolchain can judge; then the job's MLflow run opens and the stages run
-(exporter/stages.py). A stage's failure becomes the ExporterError of that stage, whose exit code
-the job returns; the run dir keeps every file written before it. Whatever ends the job, its
-record is concluded: summary, plots, and the MLflow run closed with its status.
+the backend's toolchain can judge; then the startup stage opens the job's MLflow run and loads
+the stages' libraries, and the stages run (exporter/stages.py). A stage's failure becomes the
+ExporterError of that stage, whose exit code the job returns; the run dir keeps every file
+written before it. Whatever ends the job, its record is concluded: summary, plots, the MLflow run
+closed with its status, and the lines the job ends with (exporter/job_verdict.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 
 from omegaconf import DictConfig, OmegaConf
 
-from exporter import backends, config, slurm
+from exporter import backends, config, progress, slurm
 from exporter.errors import ExporterError
 from exporter.files import write_bytes
 from exporter.record import (
@@ -36,22 +37,28 @@ CONFIG_FILE = "config.yaml"
 def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Notify) -> int:
     """Runs one job and returns its exit code (0 passed, 1 validation failed, 2..7 where it
     failed, 128 + the signal that stopped it)."""
-    record = JobRecord(run_dir=context.run_dir)
+    record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
     store = run_id = None
     try:
         write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
         with stage(record, "config", notify):
             backends.check_target(job)
-        # The run opens as the work starts: a job stopped by its configuration leaves none.
-        if job.mlflow.enabled:
-            # Imported only here: a job with mlflow=off never imports mlflow.
-            from exporter import tracking
+        # Seconds of their own (opening a new SQLite store, importing torch): a stage, so that
+        # the job's time is all in its stages.
+        with stage(record, "startup", notify):
+            # The run opens as the work starts: a job stopped by its configuration leaves none.
+            if job.mlflow.enabled:
+                progress.doing(f"opening the MLflow store {job.mlflow.tracking_uri}")
+                # Imported only here: a job with mlflow=off never imports mlflow.
+                from exporter import tracking
 
-            store = tracking.open_store(job.mlflow)
-            run_id = record.run_id = start_run(store, cfg, context, record)
-            notify("run_id", run_id)
-        # Imported only now: the stages load torch, which a configuration error need not wait for.
-        from exporter import stages
+                store = tracking.open_store(job.mlflow)
+                run_id = record.run_id = start_run(store, cfg, context, record)
+                notify("run_id", run_id)
+            # Imported only now: the stages load torch, which a configuration error need not
+            # wait for.
+            progress.doing("loading torch and the stages' libraries")
+            from exporter import stages
 
         stages.run(job, record, notify)
     except ExporterError as error:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from exporter import config, interrupts, memory
+from exporter import config, interrupts, memory, progress
 from exporter.errors import STAGE_ERRORS, ExporterError, TrackingFailed
 from exporter.files import write_bytes
 
@@ -57,6 +57,8 @@ class JobContext:
     choices: Mapping[str, str]
     run_name: str
     parent_run_id: str | None = None
+    # When the command composed the job: its total time counts from here.
+    started_ms: int = field(default_factory=now_ms)
 
 
 @dataclass
@@ -132,25 +134,30 @@ class JobRecord:
 def conclude(
     record: JobRecord, context: JobContext, store: Store | None, run_id: str | None
 ) -> int:
-    """Writes the ended job's summary and plots into its run dir and closes its MLflow run;
-    returns the job's exit code, or the tracking failure's where the job itself passed."""
+    """Writes the ended job's summary and plots into its run dir, closes its MLflow run and logs
+    the job's closing lines; returns the job's exit code, or the tracking failure's where the
+    job itself passed."""
     # Imported here: the comparison reads JobRecord from this module.
-    from exporter import comparison
+    from exporter import comparison, job_verdict
 
     record.ended_ms = now_ms()
     summary = comparison.JobSummary.of(record, comparison.group_choices(context.choices))
     summary.write(record.run_dir)
-    comparison.write_plots([summary], [context.run_name], record.run_dir)
-    if store is None or run_id is None:
-        return record.exit_code
-    from exporter import tracking
+    plots = comparison.write_plots([summary], [context.run_name], record.run_dir)
+    exit_code, run_link = record.exit_code, []
+    if store is not None and run_id is not None:
+        from exporter import tracking
 
-    try:
-        tracking.end_run(store, run_id, record, summary)
-    except TrackingFailed as error:
-        log.error("[%s] %s", error.stage, error)
-        return record.exit_code or error.exit_code
-    return record.exit_code
+        try:
+            tracking.end_run(store, run_id, record, summary)
+            run_link = job_verdict.mlflow_run_lines(store.uri, store.experiment_id, run_id)
+        except TrackingFailed as error:
+            log.error("[%s] %s", error.stage, error)
+            exit_code = exit_code or error.exit_code
+    seconds = (now_ms() - record.started_ms) / 1000
+    for line in job_verdict.lines(summary, exit_code, record.run_dir, plots, run_link, seconds):
+        log.info(line)
+    return exit_code
 
 
 def start_run(store: Store, cfg: DictConfig, context: JobContext, record: JobRecord) -> str:
@@ -197,7 +204,8 @@ def keep_traceback(error: ExporterError, run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
-    """Times and announces the stage and measures its peak RSS; an unexpected exception in it
+    """Times and announces the stage, says how long it has run while it runs long
+    (exporter/progress.py) and measures its peak RSS; an unexpected exception in it
     becomes the stage's ExporterError. Its start and end are the points where a requested stop
     happens."""
     interrupts.check()
@@ -208,7 +216,8 @@ def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
     _note_job_peak(record, memory.reset_peak())
     start = time.perf_counter()
     try:
-        yield
+        with progress.reported(name, progress.PERIOD_S):
+            yield
     except ExporterError:
         raise
     except Exception as error:

@@ -35,6 +35,7 @@ from exporter import (
     localize,
     memory,
     models,
+    progress,
     repair,
     validate,
 )
@@ -53,7 +54,7 @@ from runtimes import load as load_runtime
 from runtimes.files import PARTIAL_PREFIX
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
-from runtimes.verdict.shapes import FRESH, LiveShape, executions, label
+from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     else:
         with stage(record, "lower", notify):
             # Loaded here, from program.pt2, with weights of its own.
+            progress.doing("loading the exported program")
             exported = export.load(record.run_dir, profiles)
             weights = {**exported.program.state_dict, **exported.program.constants}
             artifact = _lower(cache, record, job, exported, export_material)
@@ -425,7 +427,8 @@ def _replay(
     last = failed[0] if failed else max(range(len(executions)), key=error)
     return localize.Replay(
         tuple(
-            (expected.cases[label(e.shape)][0], e.instance == FRESH) for e in executions[: last + 1]
+            (expected.cases[label(e.shape)][0], e.instance == NEW_INSTANCE)
+            for e in executions[: last + 1]
         ),
         executions[last].shape,
         diverged=bool(failed),

@@ -178,15 +178,8 @@ def _finish(sweep: _Sweep, interrupted: bool, launcher_failed: bool = False) -> 
     # A launcher that failed may have run no job at all (sbatch refused them): not a pass.
     exit_code = 130 if interrupted else max(codes, default=0) or int(launcher_failed)
     _exit_codes.append(exit_code)
-    log.info(
-        "[sweep] %d jobs, %d passed, %d did not; comparison in %s:\n%s",
-        len(summaries),
-        len(summaries) - len(failed),
-        len(failed),
-        sweep.dir / comparison.HTML_FILE,
-        comparison.text(summaries),
-    )
     if sweep.store is None or sweep.parent_run_id is None:
+        _log_jobs(summaries, sweep.dir / comparison.HTML_FILE)
         return
     from exporter import tracking
 
@@ -222,3 +215,18 @@ def _finish(sweep: _Sweep, interrupted: bool, launcher_failed: bool = False) -> 
     except ExporterError as error:
         log.error("[%s] %s", error.stage, error)
         _exit_codes.append(error.exit_code)
+    _log_jobs(summaries, sweep.dir / comparison.HTML_FILE)
+
+
+def _log_jobs(summaries: list[comparison.JobSummary], page: Path) -> None:
+    """The sweep's last lines: its jobs, a row each (how each ended, its worst error ratio, its
+    speedup range over eager, its seconds), and where the comparison is."""
+    passed = sum(summary.status == "passed" for summary in summaries)
+    log.info(
+        "[sweep] %d jobs, %d passed, %d did not:\n%s",
+        len(summaries),
+        passed,
+        len(summaries) - passed,
+        comparison.text(summaries),
+    )
+    log.info("[sweep] comparison: %s", page)

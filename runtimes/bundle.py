@@ -28,8 +28,9 @@ from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.shapes import LiveShape
 
 MANIFEST = "manifest.json"
-# The manifest's layout; a reader refuses another, naming both.
-FORMAT = 1
+# The manifest's layout; a reader refuses another, naming both. 2: executions name their
+# instance "same instance" or "new instance" (1: "reused" or "fresh").
+FORMAT = 2
 
 
 class BundleInvalid(Exception):

@@ -5,8 +5,9 @@ and this package.
 It runs the bundle's plan as the job's validate stage does (runtimes/verdict/), prints a line
 per execution and the same table, and writes the same report.json, with a `check` section that
 says where it ran and which run the bundle came from; `python -m exporter track report=PATH`
-attaches that report to the run. It imports nothing of the exporter, the model's libraries,
-Hydra or MLflow.
+attaches that report to the run. What native libraries print (ExecuTorch's C++ log lines) goes
+to native.log beside the report, not to the terminal. It imports nothing of the exporter, the
+model's libraries, Hydra or MLflow.
 
 Exit codes: 0 every live shape passed, 1 one failed, 2 the bundle is incomplete or a file does
 not match its checksum (the message names the file), or the report cannot be written where
@@ -16,7 +17,9 @@ asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import socket
 import sys
@@ -26,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runtimes import Loaded, load, verdict
+from runtimes import Loaded, load, native_log, verdict
 from runtimes.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.files import atomic_path
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
@@ -73,16 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     def after_each(number: int, execution: Execution) -> None:
         print(f"[check] {execution_line(number, len(bundle.executions), execution)}", flush=True)
 
+    native = report_path.parent / native_log.NATIVE_LOG
+    # A folder the report cannot go to is said when the report is written.
+    writable = report_path.parent.is_dir() and os.access(report_path.parent, os.W_OK)
     try:
-        report = verdict.run(
-            bundle.output_names,
-            load_artifact,
-            bundle.shapes,
-            bundle.executions,
-            goldens,
-            bundle.tolerances,
-            after_each,
-        )
+        with native_log.routed_to(native) if writable else contextlib.nullcontext():
+            report = verdict.run(
+                bundle.output_names,
+                load_artifact,
+                bundle.shapes,
+                bundle.executions,
+                goldens,
+                bundle.tolerances,
+                after_each,
+            )
     except KeyboardInterrupt:
         print("[check] stopped by Ctrl-C; no report written", file=sys.stderr)
         return STOPPED

@@ -72,12 +72,15 @@ def test_an_executorch_bundle_checks_without_the_exporter_and_matches_the_job(
     )
     assert len(manifest["shapes"]) == 7
     assert len(manifest["executions"]) == 14
-    assert manifest["executions"][-1] == [manifest["shapes"][0], "fresh"]
+    assert manifest["executions"][-1] == [manifest["shapes"][0], "new instance"]
 
     completed = check(bundle, tmp_path / "report.json")
 
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "passed at all 7 live shapes" in completed.stdout
+    # ExecuTorch's C++ log lines go beside the report, not to the terminal.
+    assert "cpuinfo_utils.cpp" not in completed.stdout + completed.stderr
+    assert "cpuinfo_utils.cpp" in (tmp_path / "native.log").read_text()
     assert "shape     runs  max_abs" in completed.stdout
     checked, job = json.loads((tmp_path / "report.json").read_text()), mlp_job.report()
     assert checked["passed"] is True

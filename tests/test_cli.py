@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from exporter import config, models
 from exporter.models import DynamicDim
 from exporter.validate.plan import plan
+from runtimes.verdict.shapes import label
 from tests.conftest import CONF_DIR, CliResult, run_exporter
 
 
@@ -90,7 +91,8 @@ def test_mlp_job_records_its_peak_rss_per_stage_and_its_weight_bytes(mlp_job: Cl
     stages = list(summary["seconds"])
     assert list(summary["peak_rss_bytes"]) == stages
     assert set(stages) == {
-        "config", "model", "export", "lower", "goldens", "bundle", "validate", "benchmark",
+        "config", "startup", "model", "export", "lower", "goldens", "bundle", "validate",
+        "benchmark",
     }  # fmt: skip
     # The MLP's three float32 layers, 32 -> 64 -> 64 -> 16; the process holds torch besides.
     weights = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16) * 4
@@ -129,6 +131,54 @@ def test_mlp_job_times_every_live_shape_beside_eager(mlp_job: CliResult) -> None
     assert "speedup_vs_eager" in mlp_job.output and "[benchmark] done in" in mlp_job.output
 
 
+def closing_lines(output: str) -> list[str]:
+    """The lines the job's output ends with that say `[job] ...`, without time and level."""
+    lines = output.rstrip().splitlines()
+    count = next(n for n, line in enumerate(reversed(lines)) if "][INFO] [job] " not in line)
+    return [line.split("][INFO] ", 1)[1] for line in lines[len(lines) - count :]]
+
+
+def test_mlp_job_ends_with_its_verdict_figures_run_dir_mlflow_link_and_time(
+    mlp_job: CliResult,
+) -> None:
+    summary = json.loads((mlp_job.run_dir / "summary.json").read_text())
+    report = mlp_job.report()
+    (run,) = mlp_job.mlflow_runs()
+    closing = closing_lines(mlp_job.output)
+    # After everything else: the MLflow run's close comes before them.
+    assert "[track] MLflow run" in mlp_job.output.splitlines()[-len(closing) - 1]
+    outcome, figures, run_dir, plots, link, served_by, took = closing
+    assert outcome == "[job] PASSED (exit 0) at all 7 live shapes"
+    ratios = {label(entry["shape"]): entry["ratio"] for entry in report["shapes"]}
+    worst = max(ratios, key=ratios.__getitem__)
+    speedups = [shape["speedup_vs_eager"] for shape in report["benchmark"]["shapes"]]
+    assert figures == (
+        f"[job] worst error ratio {ratios[worst]:.3g} at {worst} (artifact's error / eager's); "
+        f"speedup over eager {min(speedups):.3g}x..{max(speedups):.3g}x"
+    )
+    assert (summary["worst_error_ratio"], summary["worst_error_ratio_at"]) == (ratios[worst], worst)
+    assert run_dir == f"[job] run dir: {mlp_job.run_dir}"
+    assert sorted(plots.split()[2:]) == sorted(p.name for p in mlp_job.run_dir.glob("*.png"))
+    assert len(plots.split()[2:]) == 3
+    assert link == (
+        f"[job] MLflow run: http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/"
+        f"{run.info.run_id}"
+    )
+    assert served_by == f"[job]   served by: mlflow ui --backend-store-uri {mlp_job.tracking_uri}"
+    seconds = float(took.removeprefix("[job] took ").removesuffix(" s"))
+    assert sum(summary["seconds"].values()) <= summary["total_s"] <= seconds + 0.05
+    assert max(map(len, mlp_job.output.splitlines()[-len(closing) :])) <= 120
+
+
+def test_native_log_lines_go_to_the_run_dirs_native_log_not_the_terminal(
+    mlp_job: CliResult,
+) -> None:
+    # ExecuTorch's C++ runtime writes them when it loads a program (validate, benchmark).
+    for native in ("cpuinfo_utils.cpp", "threadpool.cpp"):
+        assert native not in mlp_job.output
+        assert native in (mlp_job.run_dir / "native.log").read_text()
+
+
 def test_llama_on_executorch_matches_eager_at_every_planned_size(
     exporter_cli: Callable[..., CliResult],
 ) -> None:
@@ -147,7 +197,7 @@ def test_llama_on_executorch_matches_eager_at_every_planned_size(
     assert report["passed"]
     executions = [(e["shape"]["seq"], e["instance"]) for e in report["executions"]]
     down_and_up = sizes[::-1] + sizes[1:]
-    assert executions == [(size, "reused") for size in down_and_up] + [(1, "fresh")]
+    assert executions == [(size, "same instance") for size in down_and_up] + [(1, "new instance")]
     assert run.data.metrics["worst_max_abs_err"] < 1e-4
 
 
@@ -179,6 +229,11 @@ def test_weights_perturbed_after_lowering_fail_validation(
     report = result.report()
     assert not report["passed"]
     assert all(not shape["passed"] for shape in report["shapes"])
+    outcome = closing_lines(result.output)[0]
+    failed = ", ".join(label(shape["shape"]) for shape in report["shapes"])
+    said = "[job] FAILED (exit 1) at the validate stage: 7 of 7 live shapes failed: "
+    # Clipped to a 120-column terminal: report.json has them all.
+    assert outcome.startswith(said) and (said + failed).startswith(outcome.removesuffix("…"))
     (run,) = result.mlflow_runs()
     assert run.info.status == "FAILED"
     assert run.data.tags["failed_stage"] == "validate"
@@ -201,6 +256,9 @@ def test_strict_fallback_fails_lowering_and_lists_the_ops_left_outside(
 ) -> None:
     result = exporter_cli("model=llama", "model.num_hidden_layers=1", "fallback=strict")
     assert_user_error(result, 4, "fallback=strict", "outside the XNNPACK delegate", "aten.")
+    assert closing_lines(result.output)[0].startswith(
+        "[job] FAILED (exit 4) at the lower stage: fallback=strict: "
+    )
     assert not (result.run_dir / "model.pte").exists()
     assert (result.run_dir / "program.pt2").exists()
     (run,) = result.mlflow_runs()
@@ -239,6 +297,9 @@ def test_bad_configuration_exits_2_with_a_clear_message(
 ) -> None:
     result = exporter_cli(*overrides)
     assert_user_error(result, 2, *phrases)
+    if result.run_dir.exists():
+        # Refused by the schema once Hydra composed the job: the job's closing lines say so.
+        assert closing_lines(result.output)[0].startswith("[job] FAILED (exit 2) at the config")
 
 
 def test_an_mlflow_store_that_cannot_open_stops_the_job_before_any_work(

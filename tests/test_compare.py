@@ -134,7 +134,9 @@ def test_p99_is_the_nearest_rank() -> None:
 def report_of(*outputs: OutputStats) -> Report:
     shape = {"seq": 4}
     tolerances = Tolerances("absolute", atol=0.0, rtol=0.0, factor=2.0, floor=0.0)
-    return Report(tolerances, ("y", "z"), (shape,), (Execution(shape, "reused", 1.0, outputs),))
+    return Report(
+        tolerances, ("y", "z"), (shape,), (Execution(shape, "same instance", 1.0, outputs),)
+    )
 
 
 def test_the_failure_message_names_a_wrong_dtype_without_an_atol_that_cannot_fix_it() -> None:
@@ -199,7 +201,7 @@ def test_the_reference_rules_failure_message_gives_both_errors_and_the_factor() 
     off = compare("y", torch.tensor([1.0, 2.5]), golden, torch.float32, 0.0, 0.0, eager_error, 2.0)
     tolerances = Tolerances("reference", atol=0.0, rtol=0.0, factor=2.0, floor=0.0)
     shape = {"seq": 4}
-    report = Report(tolerances, ("y",), (shape,), (Execution(shape, "reused", 1.0, (off,)),))
+    report = Report(tolerances, ("y",), (shape,), (Execution(shape, "same instance", 1.0, (off,)),))
     assert report.failure_message() == (
         "1 of 1 live shapes are less accurate than eager at the model's dtype beyond "
         "rule=reference factor=2 floor=0: seq=4 (nrmse 0.224, eager 0.05; max_abs 0.5, eager "

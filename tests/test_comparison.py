@@ -159,6 +159,8 @@ def strict_sweep() -> list[JobSummary]:
         exit_code=0,
         worst_max_abs_err=1.1920928955078125e-07,
         worst_nrmse=3.0517578125e-08,
+        worst_error_ratio=1.5,
+        worst_error_ratio_at="batch=1",
         weights_mismatched=0,
         diverged_at="linear_3 (aten.linear.default)",
         latency_at_min_ms=0.0421,
@@ -167,7 +169,9 @@ def strict_sweep() -> list[JobSummary]:
         artifact_bytes=123456789,
         delegated_fraction=0.8571,
         seconds={"export": 1.234, "lower": 12.345, "validate": 1.5, "benchmark": 3.25},
+        total_s=21.4,
         cache_hits={"export": True, "goldens": True, "lower": False},
+        speedup_vs_eager=[0.8731, 2.25],
     )
     strict = JobSummary(
         job="1-masked-executorch",
@@ -177,6 +181,7 @@ def strict_sweep() -> list[JobSummary]:
         failed_stage="lower",
         error=reason,
         seconds={"export": 1.2, "lower": 11.9},
+        total_s=16.0,
         cache_hits={"export": True},
     )
     return [auto, strict]
@@ -198,10 +203,11 @@ def test_the_terminal_table_fits_120_columns_and_names_the_reason(tmp_path: Path
     lines = table.splitlines()
     assert max(map(len, lines)) <= 120, table
     header, _, passed_row, failed_row = lines
-    assert header.split()[:5] == ["job", "fallback", "status", "stage", "max_abs"]
+    assert header.split()[:7] == ["job", "fallback", "status", "stage", "ratio", "speedup", "s"]
     assert "fallback=strict: 2 compute nodes" in failed_row
     assert failed_row.rstrip().endswith("…")
-    assert "1.19e-07" in passed_row
+    assert passed_row.split()[3:6] == ["1.5", "0.873..2.25x", "21"]
+    assert failed_row.split()[3:5] == ["lower", "16"]
 
 
 def test_a_narrow_terminal_drops_the_least_telling_columns_first() -> None:

@@ -37,6 +37,13 @@ def stopped_in_lowering(
     )
 
 
+def last_job_lines(output: str) -> list[str]:
+    """The `[job] ...` lines the output ends with."""
+    lines = output.rstrip().splitlines()
+    count = next(n for n, line in enumerate(reversed(lines)) if "] [job] " not in line)
+    return lines[len(lines) - count :]
+
+
 def leftovers(workdir: Path) -> list[Path]:
     """Partial files in the run dir and staging folders in the cache."""
     return [*(workdir / "run").glob(".partial-*"), *(workdir / "cache").glob("*/.staging-*")]
@@ -65,6 +72,7 @@ def test_ctrl_c_while_lowering_ends_the_run_killed_at_lower_with_no_partial_fold
     assert exit_code == 130, output
     assert "terminate called" not in output and "Traceback" not in output
     assert "[lower] stopped by Ctrl-C" in output
+    assert "[job] KILLED (exit 130) by SIGINT during the lower stage" in last_job_lines(output)[0]
     (run,) = mlflow_runs(tracking_uri_in(tmp_path))
     assert run.info.status == "KILLED"
     assert (run.data.tags["status"], run.data.tags["failed_stage"]) == ("killed", "lower")
@@ -85,12 +93,33 @@ def test_a_worker_killed_while_lowering_fails_the_run_at_lower(tmp_path: Path) -
     )
     assert exit_code == 4, output
     assert "the job's process was killed (SIGKILL" in output
+    outcome = "[job] FAILED (exit 4) at the lower stage: the job's process was killed (SIGKILL"
+    assert outcome in last_job_lines(output)[0]
     (run,) = mlflow_runs(tracking_uri_in(tmp_path))
     assert (run.info.status, run.data.tags["failed_stage"]) == ("FAILED", "lower")
     assert "SIGKILL" in run.data.tags["error"]
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"failed_stage": "lower"' in summary
     assert leftovers(tmp_path) == []
+
+
+def test_a_worker_that_segfaults_shows_its_last_words_and_keeps_them_in_native_log(
+    tmp_path: Path,
+) -> None:
+    exit_code, output = stopped_in_lowering(
+        tmp_path, lambda process: os.kill(worker_of(process), signal.SIGSEGV)
+    )
+    assert exit_code == 4, output
+    assert "the job's process crashed (SIGSEGV) during the lower stage" in output
+    # Python's fault handler's words, and the stack it was in, on the terminal and in the file.
+    native = (tmp_path / "run" / "native.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in native
+    assert "[lower] the end of native.log:\nFatal Python error: Segmentation fault" in output
+    assert "File " in output.split("the end of native.log:", 1)[1]
+    assert (
+        "[job] FAILED (exit 4) at the lower stage: the job's process crashed"
+        in last_job_lines(output)[0]
+    )
 
 
 def test_the_next_build_removes_what_a_dead_process_left_in_the_cache(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ nested under the sweep's parent, and the comparison reports all of them, failed 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,31 @@ def test_the_comparison_table_marks_the_failed_rows(failing_sweep: SweepResult) 
     # Error, latency and speedup against size.
     assert page.count("data:image/png;base64,") == 3
     assert "worst_speedup_vs_eager" in page
+
+
+def test_the_sweep_ends_with_its_table_of_jobs_and_the_comparisons_path(
+    failing_sweep: SweepResult,
+) -> None:
+    # Its 4 jobs' rows under a header and a rule, after a line that counts them.
+    said, header, rule, *rows, where = failing_sweep.output.rstrip().splitlines()[-8:]
+    assert said.endswith("[sweep] 4 jobs, 2 passed, 2 did not:")
+    assert where.endswith(f"[sweep] comparison: {failing_sweep.sweep_dir / 'comparison.html'}")
+    assert max(len(line) for line in (header, rule, *rows)) <= 120
+    assert header.split()[:7] == ["job", "backend", "status", "stage", "ratio", "speedup", "s"]
+    assert len(rows) == 4 and set(rule) == {"-", " "}
+    executorch = json.loads(
+        (failing_sweep.sweep_dir / "2-mlp-executorch" / "summary.json").read_text()
+    )
+    speedups = executorch["speedup_vs_eager"]
+    assert rows[2].split()[:6] == [
+        "2-mlp-executorch",
+        "executorch",
+        "passed",
+        f"{executorch['worst_error_ratio']:.3g}",
+        f"{min(speedups):.3g}..{max(speedups):.3g}x",
+        f"{executorch['total_s']:.0f}",
+    ]
+    assert rows[3].split()[:4] == ["3-mlp-executorch", "executorch", "failed", "config"]
 
 
 def test_the_plots_and_report_are_on_the_parent_run(failing_sweep: SweepResult) -> None:

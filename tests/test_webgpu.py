@@ -272,9 +272,9 @@ def test_every_model_passes_at_every_live_shape_on_lavapipe(sweep: SweepResult, 
     report = json.loads((job_dir / "report.json").read_text())
     assert report["passed"], sweep.output[-3000:]
     assert len(report["shapes"]) == 7
-    # Every shape ran twice on the one loaded program, then once more on a fresh one.
+    # Every shape ran twice on the one loaded program, then once more on a new one.
     instances = [e["instance"] for e in report["executions"]]
-    assert instances.count("reused") == 13 and instances.count("fresh") == 1
+    assert instances.count("same instance") == 13 and instances.count("new instance") == 1
     assert report["target"]["adapter_type"] == "CPU"
     assert "llvmpipe" in report["target"]["adapter"]
     partition = json.loads((job_dir / "partition.json").read_text())

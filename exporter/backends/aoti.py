@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from exporter import progress
 from exporter.config import BackendConfig, FallbackConfig
 from exporter.errors import ConfigError
 from exporter.files import atomic_path
@@ -82,6 +83,7 @@ def lower(
             "fallback.min_block_size do not apply to it"
         )
     log.info("[lower] AOTInductor: compiling for %s", torch_device.describe(backend.device))
+    progress.doing("AOTInductor compiles the program and packages it")
     program = exported.program
     if backend.device != "cpu":
         program = move_to_device_pass(program, torch_device.indexed(backend.device))

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
+from runtimes.verdict.shapes import label
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
@@ -38,8 +39,12 @@ class JobSummary:
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
-    # The artifact's worst error over eager's own at the model's dtype (None: not measured).
+    # The artifact's error over eager's at the model's dtype (the report's `ratio`), at its
+    # worst live shape, and that shape; None where no shape measured it.
     worst_error_ratio: float | None = None
+    worst_error_ratio_at: str | None = None
+    # The live shapes that failed validation, by label (`seq=1`).
+    failed_shapes: list[str] = field(default_factory=list)
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
@@ -65,8 +70,10 @@ class JobSummary:
     # went on with draft_export's program (export.on_failure=draft).
     export_failures: list[str] = field(default_factory=list)
     draft: bool = False
-    # Wall seconds per stage that ran: config, model, export, lower, goldens, validate.
+    # Wall seconds per stage that ran: config, startup, model, export, lower, goldens, validate.
     seconds: dict[str, float] = field(default_factory=dict)
+    # Wall seconds from the job's start (its config composed) to its record's end.
+    total_s: float | None = None
     # Peak RSS of the job's worker per stage that ran and over the job, the model's weights, and
     # the job's peak over them (JobRecord says what each covers). Host memory only.
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -99,6 +106,7 @@ class JobSummary:
             exit_code=record.exit_code,
             failed_stage=record.failed_stage,
             seconds=dict(record.seconds),
+            total_s=(record.ended_ms - record.started_ms) / 1000 if record.ended_ms else None,
             peak_rss_bytes=dict(record.peak_rss_bytes),
             job_peak_rss_bytes=record.job_peak_rss_bytes,
             peak_rss_scope=record.peak_rss_scope,
@@ -123,10 +131,14 @@ class JobSummary:
             summary.target = dict(record.report.target)
             summary.worst_max_abs_err = record.report.worst("max_abs")
             summary.worst_nrmse = record.report.worst("nrmse")
-            ratio = record.report.worst("ratio")
-            summary.worst_error_ratio = None if math.isnan(ratio) else ratio
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
+            summary.failed_shapes = [label(result.shape) for result in results if not result.passed]
+            ratios = [r for r in results if not math.isnan(r.stats["ratio"])]
+            if ratios:
+                worst = max(ratios, key=lambda result: result.stats["ratio"])
+                summary.worst_error_ratio = worst.stats["ratio"]
+                summary.worst_error_ratio_at = label(worst.shape)
         if record.weights_audit:
             found = record.weights_audit
             summary.weights_checked = len(found.checked)
@@ -176,12 +188,17 @@ class JobSummary:
             figures.append(f"worst error {self.worst_error_ratio:.2g}x eager's own")
         elif self.worst_max_abs_err is not None:
             figures.append(f"worst error {self.worst_max_abs_err:.3g}")
-        speedups = [speedup for speedup in self.speedup_vs_eager if speedup is not None]
-        if speedups:
-            low, high = min(speedups), max(speedups)
+        if speedups := self.speedup_range():
+            low, high = speedups
             span = f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}x to {high:.2f}x"
             figures.append(f"{span} eager's speed")
         return figures
+
+    def speedup_range(self) -> tuple[float, float] | None:
+        """The smallest and largest speedup over eager among the live shapes the benchmark timed
+        beside eager; None where it timed none."""
+        speedups = [speedup for speedup in self.speedup_vs_eager if speedup is not None]
+        return (min(speedups), max(speedups)) if speedups else None
 
     @classmethod
     def missing(cls, job_dir: Path) -> JobSummary:

@@ -22,31 +22,36 @@ COLUMNS = (
     "failed_stage",
     "worst_max_abs_err",
     "worst_nrmse",
+    "worst_error_ratio",
     "weights_mismatched",
     "diverged_at",
     "latency_at_min_ms",
     "latency_at_max_ms",
     "worst_speedup_vs_eager",
+    "speedup_range",
     "artifact_bytes",
     "delegated_fraction",
+    "startup_s",
     "export_s",
     "lower_s",
     "validate_s",
     "localize_s",
     "benchmark_s",
+    "total_s",
     "cache_hit",
     "error",
 )
-_STAGES = ("export", "lower", "validate", "localize", "benchmark")
+_STAGES = ("startup", "export", "lower", "validate", "localize", "benchmark")
 # A terminal's table: after the job, its choices and its status, the columns that tell jobs
 # apart at a glance, under short names, most telling first (the last ones go where a terminal is
 # too narrow); comparison.csv and comparison.html have every column.
 TERMINAL_WIDTH = 120
 TERMINAL_COLUMNS = (
     ("stage", "failed_stage"),
+    ("ratio", "worst_error_ratio"),
+    ("speedup", "speedup_range"),
+    ("s", "total_s"),
     ("max_abs", "worst_max_abs_err"),
-    ("nrmse", "worst_nrmse"),
-    ("speedup", "worst_speedup_vs_eager"),
     ("ms@max", "latency_at_max_ms"),
     ("MB", "artifact_bytes"),
     ("delegated", "delegated_fraction"),
@@ -84,6 +89,7 @@ def rows(summaries: Sequence[JobSummary]) -> tuple[list[str], list[list[object]]
         values = {
             **{f"{stage}_s": summary.seconds.get(stage) for stage in _STAGES},
             "cache_hit": ",".join(k for k, hit in summary.cache_hits.items() if hit) or None,
+            "speedup_range": _range(summary.speedup_range()),
             # Whole: its later lines are the detail (the ops that stayed outside, ...).
             "error": summary.error or None,
         }
@@ -127,9 +133,15 @@ def text(summaries: Sequence[JobSummary], width: int = TERMINAL_WIDTH) -> str:
     )
 
 
+def _range(span: tuple[float, float] | None) -> str | None:
+    return f"{span[0]:.3g}..{span[1]:.3g}x" if span else None
+
+
 def _terminal_format(value: object, column: str) -> str:
     if column == "artifact_bytes" and isinstance(value, int):
         return f"{value / 1e6:.3g}"
+    if column == "total_s" and isinstance(value, float):
+        return f"{value:.0f}"
     return _format(value)
 
 

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.backend.utils import WhyNoPartition, is_same_node
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 from executorch.exir.passes.external_constants_pass import is_param_node
 from torch.export import ExportedProgram
 
+from exporter import progress
 from exporter.export import Exported
 from exporter.files import atomic_path
 from exporter.lowering.artifact import Artifact, Output
@@ -56,6 +58,8 @@ def lowered_to_pte(
         data_file = target.data_file
         # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.
         tag = Path(data_file).stem if data_file else None
+        # The partitioner says when it partitions and what it then delegates (`delegating`).
+        progress.doing("converting to ExecuTorch's edge dialect")
         with partitioner.listening():
             edge = to_edge_transform_and_lower(
                 exported.program,
@@ -67,11 +71,13 @@ def lowered_to_pte(
             wrong_kernels_avoided=tuple(wrong_kernels_avoided),
         )
         log.info("[lower] %s", partition.describe())
+        progress.doing("emitting the ExecuTorch program")
         # The constants no delegate took are tagged here, as they are emitted.
         program = edge.to_executorch(
             ExecutorchBackendConfig(external_constants=(lambda _node: tag) if tag else False)
         )
         path = out_dir / target.file
+        progress.doing(f"writing {target.file}")
         with atomic_path(path) as temporary, temporary.open("wb") as file:
             program.write_to_file(file)
         if data_file:
@@ -82,6 +88,17 @@ def lowered_to_pte(
         return Artifact.at(path, target, partition)
     finally:
         forget_lowered_graphs()
+
+
+def delegating(result: PartitionResult, delegate: str) -> str:
+    """What lowering does once the partitioner has tagged `result`, in a progress line's words."""
+    tags = set(result.partition_tags)
+    nodes = sum(
+        node.meta.get("delegation_tag") in tags
+        for node in result.tagged_exported_program.graph.nodes
+    )
+    partitions = f"{len(tags)} partition{'' if len(tags) == 1 else 's'}"
+    return f"lowering {partitions} ({nodes} nodes) to {delegate}"
 
 
 def forget_lowered_graphs() -> None:

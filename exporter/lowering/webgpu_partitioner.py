@@ -19,7 +19,8 @@ from executorch.backends.webgpu.partitioner import WebGPUPartitioner
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
 
-from exporter.lowering.executorch_program import is_compute
+from exporter import progress
+from exporter.lowering.executorch_program import delegating, is_compute
 from exporter.lowering.partition import UNSUPPORTED
 from exporter.lowering.policy import Policy, op_name
 
@@ -46,13 +47,16 @@ class PolicyPartitioner(Partitioner):
         return WebGPUPartitioner().ops_to_not_decompose(ep)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        progress.doing("partitioning for WebGPU")
         blocked = {
             node.target
             for node in exported_program.graph.nodes
             if node.op == "call_function" and self.policy.reason(node)
         }
         result = WebGPUPartitioner(operator_blocklist=list(blocked)).partition(exported_program)
-        return self._without_small_blocks(result)
+        result = self._without_small_blocks(result)
+        progress.doing(delegating(result, "WebGPU"))
+        return result
 
     def _without_small_blocks(self, result: PartitionResult) -> PartitionResult:
         members: dict[str, list[torch.fx.Node]] = defaultdict(list)

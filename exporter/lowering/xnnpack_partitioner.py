@@ -21,7 +21,9 @@ from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.fx.passes.infra.partitioner import Partition
 
+from exporter import progress
 from exporter.lowering.debug_log import captured
+from exporter.lowering.executorch_program import delegating
 from exporter.lowering.partition import UNSUPPORTED
 from exporter.lowering.policy import Policy
 
@@ -75,8 +77,10 @@ class PolicyPartitioner(XnnpackPartitioner):
         return [*dict.fromkeys([*ops, _LINEAR])], keep
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        progress.doing("partitioning for XNNPACK")
         result = super().partition(exported_program)
         self.partitioned = True
+        progress.doing(delegating(result, "XNNPACK"))
         return result
 
     def get_matched_nodes_from_configs(self, ep: ExportedProgram) -> list[list[torch.fx.Node]]:

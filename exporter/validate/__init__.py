@@ -5,6 +5,7 @@ line per execution and a progress bar on a terminal."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
@@ -46,7 +47,8 @@ def run(
         return load()
 
     # The bar shows on a terminal only (disable=None); the log lines say the same everywhere.
-    bar = tqdm(total=len(order), desc="validate", unit="run", disable=None)
+    # On stdout, beside the log: the job's stderr goes to native.log (runtimes/native_log.py).
+    bar = tqdm(total=len(order), desc="validate", unit="run", disable=None, file=sys.stdout)
 
     def after_each(number: int, execution: Execution) -> None:
         log.info("[validate] %s", execution_line(number, len(order), execution))

@@ -15,7 +15,7 @@ from runtimes import Loaded
 from runtimes.verdict.compare import OutputStats, Tolerances, compare
 from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, Report
-from runtimes.verdict.shapes import FRESH, LiveShape, label
+from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, label
 
 __all__ = ["ArtifactFailed", "Report", "Tolerances", "judge", "run"]
 
@@ -40,8 +40,9 @@ def run(
     instance = load()
     done = []
     for number, (shape, kind) in enumerate(executions, start=1):
-        if kind == FRESH:
-            # The reused instance goes first: a 1B model's artifact is not loaded twice.
+        if kind == NEW_INSTANCE:
+            # The one that ran the shapes before goes first: a 1B model's artifact is not loaded
+            # twice.
             del instance
             instance = load()
         inputs = goldens.cases[label(shape)][0]

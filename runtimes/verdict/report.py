@@ -39,7 +39,8 @@ PREDICTION_STATS = ("top1", "ref_top1", "kl_mean", "ref_kl_mean")
 @dataclass(frozen=True)
 class Execution:
     shape: LiveShape
-    # "reused": the one loaded instance that runs every shape; "fresh": a newly loaded one.
+    # "same instance": the one loaded instance that runs every shape; "new instance": a newly
+    # loaded one.
     instance: str
     # The execution's wall time, copies included: what it took, not a benchmark (one run, maybe
     # the first at its shape); the benchmark stage measures latency.
@@ -227,7 +228,7 @@ class Report:
 def execution_line(number: int, total: int, execution: Execution) -> str:
     """One execution as it ends, for a log: its shape, instance, worst errors and verdict."""
     return (
-        f"{number:2d}/{total} {label(execution.shape):<12} {execution.instance:<6} "
+        f"{number:2d}/{total} {label(execution.shape):<12} {execution.instance:<13} "
         f"max_abs {max(s.max_abs for s in execution.outputs):.3g} "
         f"(eager {max(s.ref_max_abs for s in execution.outputs):.3g})  "
         f"{execution.wall_ms:.3f} ms  {'ok' if execution.passed else 'FAIL'}"

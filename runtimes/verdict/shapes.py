@@ -1,6 +1,6 @@
 """Live shapes and the order validation runs them in: one loaded instance from the largest down
 to the smallest and back up, so state kept from a larger shape cannot hide a bug at a smaller
-one, then a freshly loaded instance at the smallest, which catches what only a first execution
+one, then a newly loaded instance at the smallest, which catches what only a first execution
 at a small shape gets wrong."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 # One live shape: a size for every dynamic dim, by name.
 LiveShape = dict[str, int]
-# Which loaded instance runs an execution: "reused", the one that runs every shape, or
-# "fresh", one loaded for it.
-REUSED, FRESH = "reused", "fresh"
+# Which loaded instance runs an execution: the same one that runs every shape, or a new one
+# loaded for it.
+SAME_INSTANCE, NEW_INSTANCE = "same instance", "new instance"
 
 
 def run_order(shapes: Sequence[LiveShape]) -> list[LiveShape]:
@@ -23,7 +23,7 @@ def run_order(shapes: Sequence[LiveShape]) -> list[LiveShape]:
 def executions(shapes: Sequence[LiveShape]) -> list[tuple[LiveShape, str]]:
     """Every execution of the plan, in order, with the instance that runs it; `shapes` smallest
     first."""
-    return [(shape, REUSED) for shape in run_order(shapes)] + [(shapes[0], FRESH)]
+    return [(shape, SAME_INSTANCE) for shape in run_order(shapes)] + [(shapes[0], NEW_INSTANCE)]
 
 
 def label(shape: LiveShape) -> str:
