@@ -218,20 +218,29 @@ def test_a_narrow_terminal_drops_the_least_telling_columns_first() -> None:
 
 def test_the_verdict_line_says_how_the_job_ended_and_its_figures() -> None:
     job = passed("0-mlp-executorch", "executorch")
+    # Eager's own error not measured: no ratio, the speedup range only.
+    assert job.verdict() == ("passed (exit 0) at all 3 live shapes: speedup over eager 1x..2x")
+    job.worst_error_ratio, job.worst_error_ratio_at = 2.64453, "batch=64"
+    job.speedup_vs_eager = [5.8496, 9.6812, None]
     assert job.verdict() == (
-        "passed at 3 live shapes: worst error 8.5e-08, 1.00x to 2.00x eager's speed"
+        "passed (exit 0) at all 3 live shapes: worst error ratio 2.64 at batch=64 (artifact's "
+        "error / eager's); speedup over eager 5.85x..9.68x"
     )
-    # Eager's own error measured: the ratio; speedups that round alike: one figure.
-    job.worst_error_ratio, job.speedup_vs_eager = 2.64453, [5.8496, 5.8504, None]
-    assert job.verdict() == (
-        "passed at 3 live shapes: worst error 2.6x eager's own, 5.85x eager's speed"
-    )
+    # A passed job whose MLflow run could not be written: the command's exit code.
+    assert job.outcome(7) == "passed (exit 7) at all 3 live shapes; its MLflow run was not written"
     # A failure's first line only: the rest is the run's error and description.
     assert strict_sweep()[1].verdict() == (
-        "failed at lower (exit 4): fallback=strict: 2 compute nodes would run outside the "
-        "XNNPACK delegate:"
+        "failed (exit 4) at the lower stage: fallback=strict: 2 compute nodes would run outside "
+        "the XNNPACK delegate:"
+    )
+    job.status, job.exit_code, job.failed_stage = "failed", 1, "validate"
+    job.failed_shapes = ["batch=1", "batch=64"]
+    assert job.outcome() == (
+        "failed (exit 1) at the validate stage: 2 of 3 live shapes failed: batch=1, batch=64"
     )
     killed = JobSummary("0-mlp-eager", {}, "killed", 143, "validate", "stopped by SIGTERM")
-    assert killed.verdict() == "killed during validate (exit 143): stopped by SIGTERM"
+    assert killed.verdict() == "killed (exit 143) during the validate stage: stopped by SIGTERM"
+    killed.error = None
+    assert killed.outcome() == "killed (exit 143) during the validate stage: stopped by SIGTERM"
     lost = JobSummary("0-mlp-eager", {}, "no result", None)
     assert lost.verdict().startswith("no result: ")

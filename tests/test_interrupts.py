@@ -72,7 +72,10 @@ def test_ctrl_c_while_lowering_ends_the_run_killed_at_lower_with_no_partial_fold
     assert exit_code == 130, output
     assert "terminate called" not in output and "Traceback" not in output
     assert "[lower] stopped by Ctrl-C" in output
-    assert "[job] KILLED (exit 130) by SIGINT during the lower stage" in last_job_lines(output)[0]
+    assert (
+        "[job] KILLED (exit 130) during the lower stage: stopped by Ctrl-C (SIGINT)"
+        in last_job_lines(output)[0]
+    )
     (run,) = mlflow_runs(tracking_uri_in(tmp_path))
     assert run.info.status == "KILLED"
     assert (run.data.tags["status"], run.data.tags["failed_stage"]) == ("killed", "lower")
@@ -81,7 +84,7 @@ def test_ctrl_c_while_lowering_ends_the_run_killed_at_lower_with_no_partial_fold
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["error"] == run.data.tags["error"] == "stopped by Ctrl-C (SIGINT)"
     assert run.data.tags["mlflow.note.content"] == (
-        "killed during lower (exit 130): stopped by Ctrl-C (SIGINT)"
+        "killed (exit 130) during the lower stage: stopped by Ctrl-C (SIGINT)"
     )
     assert leftovers(tmp_path) == []
 

@@ -219,7 +219,7 @@ def test_a_job_slurm_stops_at_its_time_limit_ends_killed_with_that_reason(
     assert run.data.tags["failed_stage"] == "benchmark"
     assert "stopped by Slurm at its time limit" in run.data.tags["error"]
     assert run.data.tags["mlflow.note.content"].startswith(
-        "killed during benchmark (exit 143): stopped by Slurm at its time limit"
+        "killed (exit 143) during the benchmark stage: stopped by Slurm at its time limit"
     )
 
     (row,) = _comparison(sweep)

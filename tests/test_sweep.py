@@ -65,11 +65,17 @@ def test_each_job_gets_a_run_nested_under_the_sweeps_parent(failing_sweep: Sweep
         assert failed.info.status == "FAILED"
         assert failed.data.tags["failed_stage"] == "config"
         assert "min (65) is greater than max (64)" in failed.data.tags["error"]
-        assert failed.data.tags["mlflow.note.content"].startswith("failed at config (exit 2): ")
+        assert failed.data.tags["mlflow.note.content"].startswith(
+            "failed (exit 2) at the config stage: "
+        )
     for job in ("0-mlp-eager", "2-mlp-executorch"):
         assert by_job[job].info.status == "FINISHED"
         assert by_job[job].data.metrics["worst_max_abs_err"] < 1e-6
-        assert by_job[job].data.tags["mlflow.note.content"].startswith("passed at 7 live shapes")
+        assert (
+            by_job[job]
+            .data.tags["mlflow.note.content"]
+            .startswith("passed (exit 0) at all 7 live shapes")
+        )
     # The parent's figures are its jobs' worst, in the columns where each job shows its own.
     assert parent.data.metrics == {
         "jobs": 4,
@@ -85,8 +91,12 @@ def test_each_job_gets_a_run_nested_under_the_sweeps_parent(failing_sweep: Sweep
         ),
     }
     description = parent.data.tags["mlflow.note.content"].splitlines()
-    assert description[2].startswith("- backend=eager dynamic.batch.min=1: passed at 7 live shapes")
-    assert description[3].startswith("- backend=eager dynamic.batch.min=65: failed at config")
+    assert description[2].startswith(
+        "- backend=eager dynamic.batch.min=1: passed (exit 0) at all 7 live shapes"
+    )
+    assert description[3].startswith(
+        "- backend=eager dynamic.batch.min=65: failed (exit 2) at the config"
+    )
     # Job 2 needs the same exported program and goldens as job 0: it reuses them.
     assert by_job["0-mlp-eager"].data.tags["cache_hit"] == "false"
     assert by_job["2-mlp-executorch"].data.tags["cache_hit.export"] == "true"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -168,30 +169,47 @@ class JobSummary:
         return summary
 
     def verdict(self) -> str:
-        """How the job ended, in one line: `passed at 7 live shapes: worst error 0.8x eager's
-        own, 1.9x to 3.2x eager's speed`, `failed at lower (exit 4): ...`, `killed during
-        validate (exit 143): stopped by SIGTERM`."""
+        """How the job ended and its figures, in one line (its MLflow run's description):
+        `passed (exit 0) at all 7 live shapes: worst error ratio 2.24 at seq=1 (artifact's
+        error / eager's); speedup over eager 2.43x..53.5x`."""
+        return ": ".join([self.outcome(), *(["; ".join(self.figures())] if self.figures() else [])])
+
+    def outcome(self, exit_code: int | None = None) -> str:
+        """How the job ended: `passed (exit 0) at all 7 live shapes`, `failed (exit 1) at the
+        validate stage: 2 of 7 live shapes failed: seq=1, seq=2`, `killed (exit 130) during the
+        lower stage: stopped by Ctrl-C (SIGINT)`. `exit_code`: the command's, where it differs
+        from the job's (a passed job whose MLflow run could not be written exits 7)."""
         if self.exit_code is None:
             return "no result: the job's process ended without recording how the job ended"
+        exit_code = self.exit_code if exit_code is None else exit_code
+        code = f"(exit {exit_code})"
+        if self.status == "killed":
+            signal_name = signal.Signals(exit_code - 128).name if exit_code > 128 else "a signal"
+            reason = self.error or f"stopped by {signal_name}"
+            return f"killed {code} during the {self.failed_stage} stage: {reason}"
         if self.status == "passed":
-            figures = ", ".join(self._figures())
-            return f"passed at {len(self.shapes)} live shapes" + (f": {figures}" if figures else "")
-        where = "during" if self.status == "killed" else "at"
-        reason = (self.error or "").splitlines()[0] if self.error else ""
-        return f"{self.status} {where} {self.failed_stage} (exit {self.exit_code})" + (
-            f": {reason}" if reason else ""
-        )
+            shapes = f" at all {len(self.shapes)} live shapes" if self.shapes else ""
+            tracking = "; its MLflow run was not written" if exit_code else ""
+            return f"passed {code}{shapes}{tracking}"
+        if self.failed_stage == "validate" and self.failed_shapes:
+            why = (
+                f"{len(self.failed_shapes)} of {len(self.shapes)} live shapes failed: "
+                + ", ".join(self.failed_shapes)
+            )
+        else:
+            why = (self.error or "").split("\n", 1)[0]
+        return f"failed {code} at the {self.failed_stage} stage: {why}"
 
-    def _figures(self) -> list[str]:
+    def figures(self) -> list[str]:
+        """The worst error ratio and the speedup range over eager, where they were measured."""
         figures = []
         if self.worst_error_ratio is not None:
-            figures.append(f"worst error {self.worst_error_ratio:.2g}x eager's own")
-        elif self.worst_max_abs_err is not None:
-            figures.append(f"worst error {self.worst_max_abs_err:.3g}")
+            figures.append(
+                f"worst error ratio {self.worst_error_ratio:.3g} at {self.worst_error_ratio_at} "
+                "(artifact's error / eager's)"
+            )
         if speedups := self.speedup_range():
-            low, high = speedups
-            span = f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}x to {high:.2f}x"
-            figures.append(f"{span} eager's speed")
+            figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
         return figures
 
     def speedup_range(self) -> tuple[float, float] | None:
