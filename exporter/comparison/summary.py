@@ -7,7 +7,6 @@ sweep's comparison reads them back from the sweep dir.
 from __future__ import annotations
 
 import json
-import math
 import signal
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -17,7 +16,6 @@ from omegaconf import OmegaConf
 
 from exporter.files import write_json
 from exporter.record import JobRecord
-from runtimes.verdict.shapes import label
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
@@ -134,12 +132,9 @@ class JobSummary:
             summary.worst_nrmse = record.report.worst("nrmse")
             summary.shapes = [dict(result.shape) for result in results]
             summary.max_abs_err = [result.stats["max_abs"] for result in results]
-            summary.failed_shapes = [label(result.shape) for result in results if not result.passed]
-            ratios = [r for r in results if not math.isnan(r.stats["ratio"])]
-            if ratios:
-                worst = max(ratios, key=lambda result: result.stats["ratio"])
-                summary.worst_error_ratio = worst.stats["ratio"]
-                summary.worst_error_ratio_at = label(worst.shape)
+            summary.failed_shapes = record.report.failed_labels()
+            if worst := record.report.worst_ratio_at():
+                summary.worst_error_ratio, summary.worst_error_ratio_at = worst
         if record.weights_audit:
             found = record.weights_audit
             summary.weights_checked = len(found.checked)

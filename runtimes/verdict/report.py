@@ -98,6 +98,19 @@ class Report:
         pick = _least if stat in AGREEMENT_STATS else _worst
         return pick(result.stats[stat] for result in self.by_shape())
 
+    def worst_ratio_at(self) -> tuple[float, str] | None:
+        """The largest error ratio over the shapes that measured one, and that shape's label
+        (`seq=1`); None where none did."""
+        measured = [r for r in self.by_shape() if not math.isnan(r.stats["ratio"])]
+        if not measured:
+            return None
+        worst = max(measured, key=lambda result: result.stats["ratio"])
+        return worst.stats["ratio"], label(worst.shape)
+
+    def failed_labels(self) -> list[str]:
+        """The live shapes that failed, by label."""
+        return [label(result.shape) for result in self.failures()]
+
     @property
     def predicts(self) -> bool:
         """Whether an output holds next-token logits, whose predictions were measured."""
