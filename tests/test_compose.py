@@ -139,8 +139,9 @@ def test_every_experiment_and_each_job_of_its_sweep_is_accepted(
     _, hydra = accepted([chosen], user_values)
     assert hydra.runtime.choices[EXPERIMENT] == experiment
     params = hydra.sweeper.params
+    # Each job as the sweeper launches it: its values, then the command's overrides.
     for overrides in sweep_jobs(params) if params else []:
-        accepted([chosen, *overrides], user_values)
+        accepted([*overrides, chosen], user_values)
     # The file opens with a comment that says how to run it: with `-m` where it is a sweep.
     text = (CONF_DIR / EXPERIMENT / f"{experiment}.yaml").read_text().splitlines()
     header = list(itertools.takewhile(lambda line: line.startswith("#"), text))
