@@ -19,6 +19,8 @@ _NOT_OPTIONS = ("schema", "hydra")
 _HYDRA_GROUPS = ("hydra/launcher",)
 # A group whose option follows another's: what a user sets instead.
 _INSTEAD = {"dynamic": "follows model; a dim's bounds: dynamic.seq.max=256, dynamic.batch.min=2"}
+# Groups the defaults list leaves out: none is chosen unless `+group=option` adds one.
+_ADDED = ("experiment",)
 _WIDTH = 96
 
 
@@ -38,6 +40,8 @@ def groups() -> str:
         text = _INSTEAD.get(name) or ", ".join(
             f"{option}*" if option == choices.get(name) else option for option in options
         )
+        if name in _ADDED:
+            text = f"optional (+{name}=NAME): {text}"
         lines.append(
             textwrap.fill(
                 text,

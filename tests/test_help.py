@@ -67,12 +67,17 @@ def test_help_lists_every_exit_code(help_text: str) -> None:
 def test_help_lists_every_option_of_conf_and_no_schema(help_text: str) -> None:
     assert "schema" not in help_text
     groups = dict(re.findall(r"^  ([\w/]+) +(.*(?:\n {4,}.*)*)", help_text, re.MULTILINE))
+    # An experiment is added with `+experiment=NAME`, not chosen in place of a default.
+    experiments = "optional (+experiment=NAME): "
+    assert groups["experiment"].startswith(experiments)
+    groups["experiment"] = groups["experiment"].removeprefix(experiments)
     for folder in sorted(CONF_DIR.iterdir()):
         if folder.is_dir() and folder.name != "dynamic":
             options = {name.rstrip("*") for name in re.split(r",\s+", groups[folder.name])}
             assert options == {path.stem for path in folder.glob("*.yaml")}, folder.name
     assert groups["dynamic"].startswith("follows model")
-    # The default job's choices are the ones marked.
+    # The default job's choices are the ones marked; it has no experiment.
+    assert "*" not in groups["experiment"]
     assert "executorch*" in groups["backend"]
     assert "llama*" in groups["model"]
     assert "joblib" in groups["hydra/launcher"]
