@@ -167,7 +167,8 @@ class JobSummary:
         """How the job ended and its figures, in one line (its MLflow run's description):
         `passed (exit 0) at all 7 live shapes: worst error ratio 2.24 at seq=1 (artifact's
         error / eager's); speedup over eager 2.43x..53.5x`."""
-        return ": ".join([self.outcome(), *(["; ".join(self.figures())] if self.figures() else [])])
+        figures = "; ".join(self.figures())
+        return f"{self.outcome()}: {figures}" if figures else self.outcome()
 
     def outcome(self, exit_code: int | None = None) -> str:
         """How the job ended: `passed (exit 0) at all 7 live shapes`, `failed (exit 1) at the
