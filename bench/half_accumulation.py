@@ -8,7 +8,7 @@ at the same dtype, both judged against float64 on the same half-precision weight
    `delegated` says whether XNNPACK took the layer (it takes no bfloat16 linear: ExecuTorch's
    portable kernel runs it).
 2. one causal-free scaled_dot_product_attention at float16 (4 heads of 64), lowered as the
-   backend lowers it (exporter/lowering/xnnpack_rewrites.py makes it bmm, softmax, bmm) and
+   backend lowers it (exporter/backends/common/xnnpack_rewrites.py makes it bmm, softmax, bmm) and
    without that rewrite, for scores of growing spread; `eager, f16 scores` is eager PyTorch
    computing the same three steps with the scores and weights rounded to float16 between them.
 
@@ -29,7 +29,7 @@ from executorch.exir import to_edge_transform_and_lower
 from executorch.runtime import Runtime
 from tabulate import tabulate
 
-from exporter.lowering.xnnpack_rewrites import ViewsForXnnpack, for_xnnpack
+from exporter.backends.common.xnnpack_rewrites import ViewsForXnnpack, for_xnnpack
 
 OUT_FEATURES = 256
 

@@ -28,9 +28,9 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exporter import config, export, models
-from exporter.config_store import register_schemas
+from exporter.backends.common import xnnpack_rewrites
+from exporter.config.store import register_schemas
 from exporter.localize.cut import tensor_nodes
-from exporter.lowering import xnnpack_rewrites
 from tests.test_config import composed
 from tests.test_localize import job_in_process, wrong_below_the_bound
 

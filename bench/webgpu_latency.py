@@ -28,7 +28,8 @@ from tabulate import tabulate
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from exporter import config, config_store, models  # noqa: E402
+from exporter import config, models  # noqa: E402
+from exporter.config import store as config_store  # noqa: E402
 from exporter.validate.plan import plan  # noqa: E402
 from runtimes import load  # noqa: E402
 from runtimes.verdict.shapes import label  # noqa: E402

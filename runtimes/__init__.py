@@ -1,8 +1,9 @@
-"""Loaders that run an artifact on its target, and the check that validates a bundle there
-(`python -m runtimes.check BUNDLE`). Independent of the exporter: a target needs only the
-artifact file, the name of its runtime, the device to run it on, and this package.
+"""What a target needs to run and judge an artifact, independent of the exporter: the loaders
+(runtimes/loaders/, one per runtime), the formats of the files it gets (runtimes/formats/: the
+.pte, the bundle), the verdict that judges outputs against goldens (runtimes/verdict/), and the
+check that validates a bundle there (`python -m runtimes.check BUNDLE`).
 
-Every module (or subpackage) of this package is one runtime, with a
+Every module (or subpackage) of runtimes/loaders/ is one runtime, with a
 `load(path: Path, device: str) -> Loaded`; it is imported only when its artifact is loaded, so a
 target installs only the toolchain its own runtime needs.
 """
@@ -16,12 +17,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
+from runtimes import loaders
+
 if TYPE_CHECKING:
     import torch
-
-# Modules of this package that are not runtimes: a helper of runtimes, the target's check of a
-# bundle (runtimes/check.py) with what it reads and judges, and how they write files.
-_HELPERS = ("on_device", "bundle", "check", "files", "verdict")
 
 
 class Loaded(Protocol):
@@ -41,8 +40,8 @@ class Loaded(Protocol):
 
 
 def names() -> list[str]:
-    """Every runtime of this package, by module name."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _HELPERS)
+    """Every runtime, by its loader's module name."""
+    return sorted(m.name for m in pkgutil.iter_modules(loaders.__path__))
 
 
 def load(path: Path, runtime: str, device: str = "cpu") -> Loaded:
@@ -65,4 +64,4 @@ def set_threads(runtime: str, count: int) -> None:
 def _module(runtime: str) -> ModuleType:
     if runtime not in names():
         raise ValueError(f"no runtime {runtime!r}; known: {', '.join(names())}")
-    return importlib.import_module(f"{__name__}.{runtime}")
+    return importlib.import_module(f"{loaders.__name__}.{runtime}")

@@ -1,6 +1,6 @@
 """`python -m runtimes.check BUNDLE [--device DEVICE] [--report PATH]`: validate a job's artifact
-on a target that has only its bundle (runtimes/bundle.py), torch, the artifact's runtime package
-and this package.
+on a target that has only its bundle (runtimes/formats/bundle.py), torch, the artifact's runtime
+package and this package.
 
 It runs the bundle's plan as the job's validate stage does (runtimes/verdict/), prints a line
 per execution and the same table, and writes the same report.json, with a `check` section that
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from runtimes import Loaded, load, native_log, verdict
-from runtimes.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.files import atomic_path
+from runtimes.formats.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 
 PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130

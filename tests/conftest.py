@@ -15,7 +15,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from exporter import config_store
+from exporter.config import store as config_store
 
 # Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
 config_store.register_schemas()

@@ -18,7 +18,7 @@ from exporter.audit import READERS, TENSORRT_UNSEEN, WeightsAudit, audit
 from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
-from runtimes.webgpu.pte_file import read_pte
+from runtimes.formats.pte_file import read_pte
 from tests.conftest import CONF_DIR
 
 Weights = dict[str, torch.Tensor]

@@ -13,8 +13,8 @@ import pytest
 import runtimes
 from exporter import backends, config
 from exporter.audit import READERS
+from exporter.cache.fingerprint import code_of
 from exporter.config import BackendConfig
-from exporter.fingerprint import code_of
 from tests.conftest import CONF_DIR, PROJECT_ROOT
 from tests.test_config import composed
 
@@ -57,7 +57,7 @@ def test_its_config_group_option_selects_its_schema_with_its_defaults(name: str)
 
 @pytest.mark.parametrize("name", backends.names())
 def test_its_runtime_loads_through_runtimes_load(name: str) -> None:
-    runtime = __import__(f"runtimes.{backends.declared(name).RUNTIME}", fromlist=["load"])
+    runtime = __import__(f"runtimes.loaders.{backends.declared(name).RUNTIME}", fromlist=["load"])
     assert list(inspect.signature(runtime.load).parameters) == ["path", "device"]
 
 
@@ -70,7 +70,7 @@ def test_the_readme_lists_it_among_the_backends(name: str) -> None:
 def test_composing_imports_no_toolchain() -> None:
     # Every backend module is imported to store its schema; none may pull torch in with it.
     code = (
-        "import sys; from exporter import config_store; config_store.register_schemas(); "
+        "import sys; from exporter.config import store; store.register_schemas(); "
         "heavy = {'torch', 'executorch', 'mlflow', 'transformers'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
@@ -83,5 +83,5 @@ def test_composing_imports_no_toolchain() -> None:
 @pytest.mark.parametrize("runtime", runtimes.names())
 def test_a_runtime_imports_nothing_of_the_exporter(runtime: str) -> None:
     # A target runs artifacts with the runtimes package alone.
-    sources = code_of([f"runtimes.{runtime}"])["sources"]
+    sources = code_of([f"runtimes.loaders.{runtime}"])["sources"]
     assert sources and all(path.startswith("runtimes/") for path in sources), sources

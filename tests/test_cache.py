@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cache import MANIFEST, Cache, key_of, link_files
+from exporter.cache.store import MANIFEST, Cache, key_of, link_files
 
 MATERIAL = {"model": {"name": "mlp", "seed": 0}, "dynamic": {"batch": [1, 64]}}
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from mlflow.entities import Run
 
-from exporter import cache_keys, config, fingerprint
-from exporter.cache import key_of
+from exporter import config
+from exporter.cache import fingerprint
+from exporter.cache import keys as cache_keys
+from exporter.cache.store import key_of
 from tests.conftest import PROJECT_ROOT, mlflow_runs, tracking_uri_in
 from tests.test_config import composed
 
@@ -58,10 +60,10 @@ def test_tolerances_and_the_runtime_device_stay_out_of_the_lowering_key() -> Non
 def test_the_lowering_key_holds_the_backends_own_code_and_toolchain() -> None:
     chosen = job("model=mlp")
     material = cache_keys.lower(chosen, {})
-    assert "exporter/backends/executorch.py" in material["code"]["sources"]
-    assert "exporter/lowering/xnnpack_partitioner.py" in material["code"]["sources"]
+    assert "exporter/backends/executorch/__init__.py" in material["code"]["sources"]
+    assert "exporter/backends/executorch/xnnpack_partitioner.py" in material["code"]["sources"]
     assert "executorch" in material["code"]["libraries"]
-    assert "exporter/backends/webgpu.py" not in material["code"]["sources"]
+    assert "exporter/backends/webgpu/__init__.py" not in material["code"]["sources"]
 
 
 # A copy of the project, so a test can edit its code as a user would, without touching ours.

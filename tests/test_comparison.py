@@ -8,9 +8,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from PIL import Image
 
-from exporter import comparison
-from exporter.comparison import JobSummary
-from exporter.comparison.table import labels
+from exporter.tracking import comparison
+from exporter.tracking.comparison import JobSummary
+from exporter.tracking.comparison.table import labels
 
 
 def job_dir(sweep_dir: Path, name: str, backend: str) -> Path:

@@ -3,7 +3,7 @@ into a job the command accepts: a YAML file with a bad key or value fails here, 
 hands. The groups and options are read from conf/, so a new option is covered as it is added.
 
 Accepted means what the command checks before a job starts, without torch: Hydra's compose
-against the schemas, `to_job`'s values, and the places the job writes (exporter/outputs.py).
+against the schemas, `to_job`'s values, and the places the job writes (exporter/job/outputs.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, open_dict, read_write
 
-from exporter import backends, outputs
+from exporter import backends
 from exporter.config import JobConfig
+from exporter.job import outputs
 from tests.conftest import CONF_DIR
 
 EXPERIMENT = "experiment"

@@ -48,7 +48,7 @@ def test_the_cache_is_on_under_outputs_and_off_is_a_word_users_can_type() -> Non
 
 def test_a_sweep_has_a_callback_for_its_parent_run_and_comparison() -> None:
     callbacks = composed(return_hydra_config=True).hydra.callbacks
-    assert callbacks.sweep._target_ == "exporter.sweep.SweepCallback"
+    assert callbacks.sweep._target_ == "exporter.command.sweep.SweepCallback"
 
 
 def test_dynamic_bounds_follow_the_model_and_take_overrides() -> None:

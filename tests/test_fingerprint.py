@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import fingerprint
-from exporter.fingerprint import PROJECT_ROOT, code_of
+from exporter.cache import fingerprint
+from exporter.cache.fingerprint import PROJECT_ROOT, code_of
 
 
 def key(*args, **kwargs) -> str:
@@ -127,5 +127,5 @@ def test_a_module_with_no_source_is_an_error(tmp_path: Path) -> None:
 
 
 def test_importing_it_does_not_import_torch() -> None:
-    check = "import exporter.fingerprint, sys; assert 'torch' not in sys.modules"
+    check = "import exporter.cache.fingerprint, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], cwd=PROJECT_ROOT, check=True)

@@ -258,7 +258,7 @@ WATCHING_IMPORTS = """
 import atexit, sys
 atexit.register(lambda: print("torch imported:", "torch" in sys.modules))
 sys.argv = ["exporter", *sys.argv[1:]]
-from exporter import cli
+from exporter.command import cli
 cli.main()
 """
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cache import Cache
+from exporter.cache.store import Cache
 from tests.conftest import mlflow_runs, run_stopped, tracking_uri_in
 
 
@@ -54,7 +54,7 @@ def worker_of(process: subprocess.Popen) -> int:
     children = subprocess.run(
         ["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=True
     ).stdout.split()
-    (worker,) = [int(pid) for pid in children if "exporter.job_process" in _cmdline(int(pid))]
+    (worker,) = [int(pid) for pid in children if "exporter.job.worker" in _cmdline(int(pid))]
     return worker
 
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 
-from exporter import config, stages
+from exporter import config
 from exporter.errors import ValidationFailed
+from exporter.job import stages
 from exporter.localize import source_line
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
-from exporter.record import JobRecord
+from exporter.tracking.record import JobRecord
 from tests.conftest import run_exporter
 from tests.test_cli import assert_user_error
 from tests.test_config import composed
@@ -141,7 +142,7 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
     planted = node_named(chain_program, torch.ops.aten.rsqrt.default, "second").name
     rewrite = wrong_below_the_bound(planted, upper=128)
     if backend == "executorch":
-        from exporter.lowering import xnnpack_rewrites
+        from exporter.backends.common import xnnpack_rewrites
 
         for_xnnpack = xnnpack_rewrites.for_xnnpack
         monkeypatch.setattr(xnnpack_rewrites, "for_xnnpack", lambda p: rewrite(for_xnnpack(p)))
@@ -190,7 +191,7 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
 def reduction_keeps_its_upper_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """The WebGPU runtime's reduction kernels with their resize rule disabled (the oracle test's
     fault in tests/test_webgpu.py): their output keeps the upper bound's shape."""
-    from runtimes.webgpu.kernels.reduction import Reduction
+    from runtimes.loaders.webgpu.kernels.reduction import Reduction
 
     def keep_upper_bound(op: Reduction) -> None:
         op.out.set_dims(op.out.max_dims, op.name)

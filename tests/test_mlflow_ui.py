@@ -13,8 +13,8 @@ import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from exporter import tracking
 from exporter.config import MlflowConfig
+from exporter.tracking import runs as tracking
 from tests.conftest import PROJECT_ROOT, run_sweep
 from tests.mlflow_ui import CHROMIUM, browse_sweep, serve_mlflow
 

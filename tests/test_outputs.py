@@ -18,13 +18,14 @@ from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from exporter import outputs, tracking
-from exporter.cache import Cache
-from exporter.comparison import JobSummary
+from exporter.cache.store import Cache
 from exporter.config import PROJECT_ROOT as EXPORTER_ROOT
 from exporter.config import MlflowConfig
 from exporter.files import write_bytes
-from exporter.record import JobRecord
+from exporter.job import outputs
+from exporter.tracking import runs as tracking
+from exporter.tracking.comparison import JobSummary
+from exporter.tracking.record import JobRecord
 from tests.conftest import CONF_DIR, PROJECT_ROOT, command_line, mlflow_runs, tracking_uri_in
 
 # Both jobs name their run dir alike, as two jobs of the same second do by default.
@@ -33,7 +34,7 @@ SAME_NAME = "mlp-eager"
 # the two jobs compose their configs and claim their run dirs at the same instant.
 RELEASED_TOGETHER = """
 import sys, time
-from exporter import cli
+from exporter.command import cli
 release = float(sys.argv[1])
 sys.argv = ["exporter", *sys.argv[2:]]
 time.sleep(max(0.0, release - time.time()))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporter.config import FallbackConfig, FallbackPolicy
-from exporter.errors import LoweringFailed
-from exporter.lowering.partition import (
+from exporter.backends.common.partition import (
     CPU,
     DELEGATED,
     NAMED,
@@ -16,7 +14,9 @@ from exporter.lowering.partition import (
     PartitionSummary,
     enforce,
 )
-from exporter.lowering.policy import Policy, op_name
+from exporter.backends.common.policy import Policy, op_name
+from exporter.config import FallbackConfig, FallbackPolicy
+from exporter.errors import LoweringFailed
 
 UNBACKED = "XNNPACK takes no tensor whose size is data-dependent (unbacked)"
 REFUSED = "invalid dtype"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from exporter import progress
-from exporter.record import JobRecord, stage
+from exporter.job.timing import stage
+from exporter.process import progress
+from exporter.tracking.record import JobRecord
 
 
 def progress_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -16,7 +16,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from exporter.tracking import PER_SHAPE_METRICS
+from exporter.tracking.runs import PER_SHAPE_METRICS
 from tests.conftest import PROJECT_ROOT, mlflow_runs, run_command, tracking_uri_in
 
 # The track command's run on the check's report, and the child run it made.

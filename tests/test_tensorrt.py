@@ -11,15 +11,17 @@ import torch
 
 from exporter import config, models
 from exporter.backends import tensorrt
-from exporter.backends.tensorrt import TensorrtConfig, TensorrtOutputFormat
-from exporter.config import (
-    DimMode,
-    FallbackConfig,
-    FallbackPolicy,
+from exporter.backends.common.partition import (
+    DATA_DEPENDENT,
+    DELEGATED,
+    NAMED,
+    SMALL_BLOCK,
+    UNSUPPORTED,
 )
+from exporter.backends.tensorrt import TensorrtConfig, TensorrtOutputFormat
+from exporter.config import DimMode, FallbackConfig, FallbackPolicy
 from exporter.errors import ConfigError
 from exporter.export.shapes import opt_size, profiles
-from exporter.lowering.partition import DATA_DEPENDENT, DELEGATED, NAMED, SMALL_BLOCK, UNSUPPORTED
 from exporter.models import DynamicDim, ModelBundle
 from tests.conftest import CliResult
 from tests.test_cli import assert_user_error

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from exporter import tracking
+from exporter.tracking import runs as tracking
 
 TRY_LOCK = """
 import fcntl, sys

@@ -21,10 +21,10 @@ from exporter.errors import ConfigError
 from exporter.models import ModelBundle
 from exporter.validate import goldens
 from exporter.validate.plan import plan
-from runtimes.webgpu import adapter, memory_plan
-from runtimes.webgpu.kernels.base import Gpu, GpuTensor, UnsupportedOp
-from runtimes.webgpu.kernels.reduction import Reduction
-from runtimes.webgpu.program import InputOutOfBounds, WebgpuProgram
+from runtimes.loaders.webgpu import adapter, memory_plan
+from runtimes.loaders.webgpu.kernels.base import Gpu, GpuTensor, UnsupportedOp
+from runtimes.loaders.webgpu.kernels.reduction import Reduction
+from runtimes.loaders.webgpu.program import InputOutOfBounds, WebgpuProgram
 from tests.conftest import CONF_DIR, SweepResult, run_sweep
 
 
@@ -193,8 +193,8 @@ def test_ops_kept_off_by_the_policy_run_on_the_cpu_between_delegates(tmp_path: P
 
 
 def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(tmp_path: Path) -> None:
-    # Without the rewrites of exporter/lowering/xnnpack_rewrites.py the boolean causal mask and
-    # SDPA's decomposition stayed on the CPU, between five delegates.
+    # Without the rewrites of exporter/backends/common/xnnpack_rewrites.py the boolean causal mask
+    # and SDPA's decomposition stayed on the CPU, between five delegates.
     bundle, artifact = lowered(tmp_path, "model=llama")
     assert artifact.partition is not None
     assert artifact.partition.delegates == 1

@@ -10,7 +10,7 @@ import torch
 from executorch.backends.webgpu.partitioner import WebGPUPartitioner
 from executorch.exir import to_edge, to_edge_transform_and_lower
 
-from runtimes.webgpu.pte_file import (
+from runtimes.formats.pte_file import (
     DelegateCall,
     KernelCall,
     Operator,
@@ -18,7 +18,7 @@ from runtimes.webgpu.pte_file import (
     TensorValue,
     read_pte,
 )
-from runtimes.webgpu.vulkan_payload import (
+from runtimes.formats.vulkan_payload import (
     NAMED_DATA_OFFSET,
     VkGraph,
     VkTensor,

@@ -2,7 +2,8 @@
 approximate="tanh". The default lowering rewrites it (fallback.wrong_kernels=avoid) and
 partition.json says so, and a Gemma3 checkpoint passes; forced into the delegate
 (fallback.wrong_kernels=allow) a Gemma-style MLP fails, the failure names the op and the override
-that keeps it out, and validate.repair=auto lowers again with it and passes (exporter/repair.py).
+that keeps it out, and validate.repair=auto lowers again with it and passes
+(exporter/localize/repair.py).
 
 The Gemma3 checkpoint's MLP gate weights are scaled up 20 times, so the tanh-GELU sees inputs of
 order 1 to 4, where the two GELUs differ by up to 4.7e-4 (with transformers' initialisation they
@@ -19,11 +20,11 @@ import pytest
 import torch
 import transformers
 
+from exporter.backends.common.partition import DELEGATED, NodePlacement, PartitionSummary
 from exporter.config import FallbackConfig, FallbackPolicy, WrongKernels
 from exporter.export import Exported
 from exporter.localize import FirstDivergence, NodeError
-from exporter.lowering.partition import DELEGATED, NodePlacement, PartitionSummary
-from exporter.repair import keep_out
+from exporter.localize.repair import keep_out
 from tests.conftest import CliResult, run_exporter
 from tests.test_cli import assert_user_error
 
@@ -41,7 +42,7 @@ def lowered_gelu(tmp_path: Path, wrong_kernels: WrongKernels) -> tuple[float, Pa
     """One tanh-GELU lowered by backend=executorch: its max abs error against float64 tanh-GELU
     on inputs in [-4, 4], and its partition report."""
     from exporter.backends import executorch
-    from runtimes.executorch import ExecutorchProgram
+    from runtimes.loaders.executorch import ExecutorchProgram
 
     x = torch.linspace(-SPREAD, SPREAD, 8192).reshape(4, 2048)
     program = torch.export.export(TanhGelu(), (x,))

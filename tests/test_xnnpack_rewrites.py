@@ -1,6 +1,6 @@
-"""The program rewritten for XNNPACK (exporter/lowering/xnnpack_rewrites.py): the same outputs as
-the exported program, transformers' Llama in one delegate, and masks that are not causal left
-to the standard lowering."""
+"""The program rewritten for XNNPACK (exporter/backends/common/xnnpack_rewrites.py): the same
+outputs as the exported program, transformers' Llama in one delegate, and masks that are not
+causal left to the standard lowering."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from torch.export import Dim
 
 from exporter import backends, config, export, models
+from exporter.backends.common.xnnpack_rewrites import for_xnnpack
 from exporter.config import DimBounds, ExportFailurePolicy, ModelDtype
 from exporter.export import Exported
-from exporter.lowering.xnnpack_rewrites import for_xnnpack
-from runtimes import executorch as executorch_runtime
+from runtimes.loaders import executorch as executorch_runtime
 from tests.conftest import CONF_DIR
 from tests.test_models import small_llama
 

@@ -30,7 +30,7 @@ from exporter.audit.matching import Constant, audit_constants, forms, sha256
 from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen, WeightsAudit
 
 if TYPE_CHECKING:
-    from exporter.lowering.artifact import Artifact
+    from exporter.backends.common.artifact import Artifact
 
 __all__ = ["READERS", "Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
 
@@ -88,7 +88,7 @@ def _pte(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudi
     has_data = data_path is not None and data_path.exists()
     outside: set[str] = set()
     if not has_data:
-        from runtimes.executorch import data_outside
+        from runtimes.loaders.executorch import data_outside
 
         outside = set(data_outside(artifact.path))
 

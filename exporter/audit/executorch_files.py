@@ -10,7 +10,7 @@ them: the files are mapped, and each constant is a view of the mapping.
 
 Field indices follow executorch's exir/_serialize/program.fbs ("ET12"),
 extension/flat_tensor/serialize/flat_tensor.fbs ("FT01") and, for Vulkan payloads,
-runtimes/webgpu/vulkan_payload.py.
+runtimes/formats/vulkan_payload.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from flatbuffers import number_types as N
 
 from exporter.audit.matching import Constant
-from runtimes.webgpu.flatbuffer_table import Table
-from runtimes.webgpu.pte_file import SCALAR_TYPES
-from runtimes.webgpu.vulkan_payload import NAMED_DATA_OFFSET, VkTensor, read_vulkan_payload
+from runtimes.formats.flatbuffer_table import Table
+from runtimes.formats.pte_file import SCALAR_TYPES
+from runtimes.formats.vulkan_payload import NAMED_DATA_OFFSET, VkTensor, read_vulkan_payload
 
 _PROGRAM_ID, _FLAT_TENSOR_ID = b"ET12", b"FT01"
 _PROGRAM_HEADER, _FLAT_TENSOR_HEADER = b"eh00", b"FH01"

@@ -19,11 +19,11 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.partition import PARTITION_FILE, PartitionSummary, enforce
 from exporter.config import BackendConfig, FallbackConfig, JobConfig
 from exporter.errors import ConfigError
 from exporter.files import write_json
-from exporter.lowering.artifact import Artifact, Output
-from exporter.lowering.partition import PARTITION_FILE, PartitionSummary, enforce
 
 if TYPE_CHECKING:
     from exporter.export import Exported
@@ -78,10 +78,14 @@ class BackendModule(Protocol):
         """Writes the artifact into `out_dir`, mapping the fallback policy to its own controls."""
 
 
+# The package of what several backends share (exporter/backends/common/): not a backend.
+SHARED = "common"
+
+
 @cache
 def names() -> tuple[str, ...]:
     """Every backend, by module name."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg))
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != SHARED))
 
 
 def declared(name: str) -> BackendModule:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter import progress
+from exporter.backends.common.artifact import Artifact, Output
 from exporter.config import BackendConfig, FallbackConfig
 from exporter.errors import ConfigError
 from exporter.files import atomic_path
-from exporter.lowering.artifact import Artifact, Output
+from exporter.process import progress
 
 if TYPE_CHECKING:
     from exporter.export import Exported
@@ -44,7 +44,7 @@ DELEGATE = None
 
 
 def check(backend: AotiConfig, fallback: FallbackConfig) -> None:
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     torch_device.require(backend.device)
     _compiler()
@@ -55,7 +55,7 @@ def output(backend: AotiConfig) -> Output:
 
 
 def toolchain(backend: AotiConfig) -> dict[str, str]:
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     compiler = _compiler()
     version = subprocess.run(
@@ -75,7 +75,7 @@ def lower(
     from torch._inductor import aoti_compile_and_package
     from torch.export.passes import move_to_device_pass
 
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     if fallback.ops or fallback.min_block_size > 1:
         log.warning(
@@ -103,8 +103,8 @@ def _inductor_configs() -> dict[str, object]:
     copy): the lowering peaked at about three times the weights. And the loader, on the CPU,
     copies the data section (which the .so's mapping keeps resident) into a buffer of its own:
     two times at validation. Pickled weights are written one at a time from the program's own
-    tensors, and loaded once, used in place (runtimes/aoti.py). Both options are experimental
-    in torch; where this torch lacks them, the defaults stand."""
+    tensors, and loaded once, used in place (runtimes/loaders/aoti.py). Both options are
+    experimental in torch; where this torch lacks them, the defaults stand."""
     from torch._inductor import config
 
     options: dict[str, object] = {}

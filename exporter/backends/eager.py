@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from exporter.backends.common.artifact import Artifact, Output
 from exporter.config import BackendConfig, FallbackConfig
-from exporter.lowering.artifact import Artifact, Output
 
 if TYPE_CHECKING:
     from exporter.export import Exported
@@ -37,7 +37,7 @@ DELEGATE = None
 
 
 def check(backend: EagerConfig, fallback: FallbackConfig) -> None:
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     torch_device.require(backend.device)
 

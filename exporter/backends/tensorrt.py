@@ -24,17 +24,17 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from exporter.config import BackendConfig, FallbackConfig, FallbackPolicy
-from exporter.errors import ConfigError, LoweringFailed
-from exporter.lowering.artifact import Artifact, Output
-from exporter.lowering.debug_log import captured
-from exporter.lowering.partition import (
+from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.debug_log import captured
+from exporter.backends.common.partition import (
     DELEGATED,
     SMALL_BLOCK,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
 )
+from exporter.config import BackendConfig, FallbackConfig, FallbackPolicy
+from exporter.errors import ConfigError, LoweringFailed
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +103,7 @@ INSTALL = (
     "(tensorrt-cu13; its libraries download from NVIDIA's index, pypi.nvidia.com)"
 )
 
-# The file each format is saved as; runtimes/tensorrt.py loads each by its suffix.
+# The file each format is saved as; runtimes/loaders/tensorrt.py loads each by its suffix.
 _FILES = {
     TensorrtOutputFormat.exported_program: "model.ep",
     TensorrtOutputFormat.executorch: "model.pte",
@@ -149,7 +149,7 @@ def output(backend: TensorrtConfig) -> Output:
 def check(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
     """Contradictions first (they need nothing installed), then torch-tensorrt and TensorRT,
     the settings against the installed CompilationSettings, and a CUDA device."""
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     check_policy(backend, fallback)
     torch_tensorrt = _import_torch_tensorrt()
@@ -160,7 +160,7 @@ def check(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
 def toolchain(backend: TensorrtConfig) -> dict[str, str]:
     import tensorrt
 
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     return {
         "torch_tensorrt": importlib.metadata.version("torch-tensorrt"),
@@ -261,7 +261,7 @@ def lower(
     import torch_tensorrt
     from torch.export.passes import move_to_device_pass
 
-    from exporter.lowering import torch_device
+    from exporter.backends.common import torch_device
 
     settings = compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
     inputs = [trt_input(profile) for profile in exported.inputs]
@@ -330,7 +330,7 @@ def partition_of(
     """Where each node runs, from a dry-run report. The report counts each engine's ops without
     naming them, so delegated nodes are named by their engine; nodes left in PyTorch are named
     by their layer location, with the policy's reason or the report's."""
-    from exporter.lowering.policy import policy_reason
+    from exporter.backends.common.policy import policy_reason
 
     unsupported: set[str] = set()
     block = _UNSUPPORTED.search(report)
@@ -355,7 +355,7 @@ def partition_of(
 
 
 def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
-    from exporter.lowering.policy import makes_data_dependent_shape, op_name
+    from exporter.backends.common.policy import makes_data_dependent_shape, op_name
 
     return {op_name(node) for node in program.graph.nodes if makes_data_dependent_shape(node)}
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from exporter import interrupts
 from exporter.benchmark.timing import Timing, measure
 from exporter.config import BenchmarkConfig
+from exporter.process import interrupts
 from runtimes import Loaded, set_threads
 from runtimes.verdict.shapes import LiveShape, label
 

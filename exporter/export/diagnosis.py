@@ -31,7 +31,7 @@ from exporter.export import shapes
 from exporter.export.shapes import Narrowing
 from exporter.files import write_bytes, write_json
 from exporter.models import ModelBundle
-from exporter.quiet_logs import quieted
+from exporter.process.quiet_logs import quieted
 
 REPORT_JSON = "export_report.json"
 REPORT_TEXT = "export_report.txt"

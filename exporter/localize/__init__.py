@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
-from exporter import interrupts
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
-from exporter.quiet_logs import quieted
+from exporter.process import interrupts
+from exporter.process.quiet_logs import quieted
 from runtimes import Loaded
 from runtimes.verdict.compare import Tolerances, compare, reference_error
 from runtimes.verdict.shapes import LiveShape, label
@@ -73,7 +73,7 @@ GROWTH = 4
 # embedding was named at the next norm's rsqrt). Four steps reach across a norm.
 UPSTREAM = 4
 # What lowering says at INFO (its partition, its policy) the job's own lowering said once.
-_LOWERING_LOGS = ("exporter.backends", "exporter.lowering")
+_LOWERING_LOGS = ("exporter.backends",)
 
 Inputs = tuple[torch.Tensor, ...]
 # Lowers a program into the folder and returns a loader of the artifact.

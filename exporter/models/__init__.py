@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from exporter.cache.fingerprint import PROJECT_ROOT, code_of
 from exporter.config import (
     CustomModelConfig,
     DimBounds,
@@ -22,7 +23,6 @@ from exporter.config import (
     ToyConfig,
 )
 from exporter.errors import ConfigError
-from exporter.fingerprint import PROJECT_ROOT, code_of
 from exporter.models import custom
 from exporter.models.bundle import (
     DynamicDim,

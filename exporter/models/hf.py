@@ -12,8 +12,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from exporter import hf_checkpoint
-from exporter.config import HfConfig
+from exporter.config import HfConfig, hf_checkpoint
 from exporter.errors import ConfigError
 from exporter.models.bundle import ModelDeclaration, torch_dtype
 from exporter.models.causal_lm import declare_causal_lm
@@ -32,7 +31,7 @@ def read_config(directory: Path) -> PretrainedConfig:
     """The checkpoint's config, refused unless transformers itself implements it as a causal LM.
 
     Checked before any weights are read, so a wrong checkpoint fails in a second; its
-    config.json was checked when the job was composed (exporter/hf_checkpoint.py)."""
+    config.json was checked when the job was composed (exporter/config/hf_checkpoint.py)."""
     hf_checkpoint.check(directory)
     # A known model_type with an auto_map as well loads transformers' own class: with
     # trust_remote_code=False, the Auto classes ignore the checkpoint's code.

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from exporter import interrupts, memory
 from exporter.errors import RuntimeFailed
+from exporter.process import interrupts, memory
 from runtimes import Loaded, verdict
 from runtimes.verdict import Report, Tolerances, judge
 from runtimes.verdict.goldens import Goldens

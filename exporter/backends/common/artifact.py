@@ -1,0 +1,58 @@
+"""What the lowering stage hands on: the deployable file (and the data file that travels with
+it), the runtime that loads it, the device it runs on, its partitioning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.backends.common.partition import PartitionSummary
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a backend writes, as its config asks: the file's name, and how to run it."""
+
+    file: str
+    # The module of the `runtimes` package that loads the file; None for a report with nothing
+    # to run (a dry run).
+    runtime: str | None
+    device: str
+    # How the weights audit reads the file's weights: a key of exporter.audit.READERS (the
+    # backend's AUDIT declaration).
+    audit: str
+    # A file of the artifact's data (weights) that must lie beside `file`, where the runtime
+    # loads it from (ExecuTorch's model.ptd); None where `file` holds everything. A model without
+    # weights may leave it unwritten.
+    data_file: str | None = None
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    runtime: str | None
+    device: str
+    # The weights audit's reader of `path` (Output.audit).
+    audit: str
+    # None where the backend runs everything itself, or the artifact came pre-built.
+    partition: PartitionSummary | None
+    # The data file beside `path`, named after it as the runtime looks for it (a pre-built
+    # weights.pte has weights.ptd); it may not exist (see `Output.data_file`).
+    data_path: Path | None = None
+
+    @classmethod
+    def at(cls, path: Path, output: Output, partition: PartitionSummary | None) -> Artifact:
+        data_path = path.with_suffix(Path(output.data_file).suffix) if output.data_file else None
+        return cls(
+            path=path,
+            runtime=output.runtime,
+            device=output.device,
+            audit=output.audit,
+            partition=partition,
+            data_path=data_path,
+        )
+
+    def files(self) -> tuple[Path, ...]:
+        """The files that deploy together: the artifact and its data file where it has one."""
+        data = (self.data_path,) if self.data_path and self.data_path.exists() else ()
+        return (self.path, *data)

@@ -1,0 +1,99 @@
+"""ExecuTorch with the XNNPACK delegate: exported program -> edge dialect -> partitioned -> .pte,
+run by ExecuTorch's runtime on the CPU.
+
+The program is first rewritten into ops XNNPACK takes
+(exporter/backends/common/xnnpack_rewrites.py), and with `fallback.wrong_kernels=avoid` (the
+default) the ops XNNPACK computes as another function into ops it computes right; the fallback
+policy maps onto XNNPACK's partitioner (exporter/backends/executorch/xnnpack_partitioner.py).
+`external_weights` puts the weights into model.ptd beside model.pte
+(exporter/backends/common/executorch_program.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from exporter.backends.common.artifact import Artifact, Output
+from exporter.config import BackendConfig, FallbackConfig, WrongKernels
+
+if TYPE_CHECKING:
+    from exporter.export import Exported
+
+
+@dataclass
+class ExecutorchConfig(BackendConfig):
+    name: str = "executorch"
+    atol: float = 1.0e-4
+    rtol: float = 1.0e-3
+    # Weights in model.ptd, beside a model.pte that holds the program only: for weights past
+    # what one flatbuffer addresses (2 GB), and a data file the runtime can map.
+    external_weights: bool = False
+
+
+SCHEMA = ExecutorchConfig
+RUNTIME = "executorch"
+AUDIT = "pte"
+DELEGATE = "XNNPACK"
+# How its artifacts compute at a half dtype where that costs precision eager does not lose,
+# as measured by bench/half_accumulation.py; a half-precision failure's message says it.
+HALF_PRECISION = {
+    "float16": (
+        "At float16, XNNPACK's arithmetic is not eager's: its matrix products sum in float32 as "
+        "eager's do (one nn.Linear, inner dims 64 to 2048, 1 to 64 rows: eager's error exactly, "
+        "on an x86 CPU without float16 arithmetic), but this lowering computes attention as "
+        "bmm, softmax, bmm with the scores and weights rounded to float16 between them, where "
+        "eager's scaled_dot_product_attention keeps them in float32 (one attention: 3 to 7 "
+        "times eager's error at seq 16 to 128), and its float16 activations round each step "
+        "(a trained 135M Llama: 1.0 to 3.9 times eager's error, 2.2 at seq 1 where attention "
+        "is exact). Such errors are the backend's precision, not a fault of the model; the "
+        "next-token predictions say whether they matter."
+    ),
+}
+
+
+def check(backend: ExecutorchConfig, fallback: FallbackConfig) -> None:
+    """ExecuTorch itself is one of the project's dependencies; XNNPACK is its CPU delegate."""
+
+
+def output(backend: ExecutorchConfig) -> Output:
+    return Output(
+        file="model.pte",
+        runtime=RUNTIME,
+        audit=AUDIT,
+        device="cpu",
+        data_file="model.ptd" if backend.external_weights else None,
+    )
+
+
+def toolchain(backend: ExecutorchConfig) -> dict[str, str]:
+    # ExecuTorch's version is among the libraries its lowering code imports.
+    return {}
+
+
+def lower(
+    exported: Exported, backend: ExecutorchConfig, fallback: FallbackConfig, out_dir: Path
+) -> Artifact:
+    from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
+    from exporter.backends.common.xnnpack_rewrites import (
+        ViewsForXnnpack,
+        for_xnnpack,
+        without_wrong_kernels,
+    )
+    from exporter.backends.executorch.xnnpack_partitioner import PolicyPartitioner
+
+    partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
+    program = for_xnnpack(exported.program)
+    avoided = ()
+    if fallback.wrong_kernels is WrongKernels.avoid:
+        program, avoided = without_wrong_kernels(program)
+    return lowered_to_pte(
+        replace(exported, program=program),
+        partitioner,
+        partitioner.why_on_cpu,
+        output(backend),
+        out_dir,
+        edge_passes=[ViewsForXnnpack()],
+        wrong_kernels_avoided=avoided,
+    )

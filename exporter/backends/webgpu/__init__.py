@@ -1,0 +1,89 @@
+"""WebGPU: ExecuTorch's WebGPU partitioner (its Vulkan partitioner in the WebGPU configuration)
+-> a .pte whose delegates are VulkanBackend payloads, run by runtimes/webgpu through wgpu on any
+GPU wgpu reaches (Vulkan, Metal, D3D12), or on Mesa's lavapipe, a software GPU.
+
+ExecuTorch is imported by `lower` only: a target that validates a .pte built elsewhere
+(`artifact=`) needs torch, wgpu and flatbuffers, not the toolchain that lowered it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from exporter.backends.common.artifact import Artifact, Output
+from exporter.config import BackendConfig, FallbackConfig, ModelDtype
+from exporter.errors import ConfigError
+
+if TYPE_CHECKING:
+    from exporter.export import Exported
+
+
+@dataclass
+class WebgpuConfig(BackendConfig):
+    """`device` picks the wgpu adapter: auto (a discrete GPU first, lavapipe last), gpu
+    (hardware only) or cpu (lavapipe: apt-get install mesa-vulkan-drivers)."""
+
+    devices: ClassVar[tuple[str, ...]] = ("auto", "gpu", "cpu")
+    # The runtime's WGSL kernels compute in f32.
+    dtypes: ClassVar[tuple[ModelDtype, ...]] = (ModelDtype.float32,)
+
+    name: str = "webgpu"
+    atol: float = 1.0e-4
+    rtol: float = 1.0e-3
+    device: str = "auto"
+
+
+SCHEMA = WebgpuConfig
+RUNTIME = "webgpu"
+AUDIT = "pte"
+DELEGATE = "VulkanBackend"
+# The rewrites of exporter/backends/common/xnnpack_rewrites.py that keep more of a transformers
+# model on the GPU: the causal mask built from positions, attention as bmm and softmax (SDPA's
+# decomposition and the boolean mask stay on the CPU otherwise) and rotate_half as a linear.
+# Not the expands (their cats of 5-D tensors stay on the CPU) nor the means (no 4-D mean here).
+WEBGPU_REWRITES = ("attention", "rotations", "aliases")
+
+
+def check(backend: WebgpuConfig, fallback: FallbackConfig) -> None:
+    try:
+        from runtimes.loaders.webgpu import adapter
+    except ImportError as error:
+        raise ConfigError(
+            f"backend=webgpu runs on wgpu, which cannot be imported here ({error}): "
+            "pip install wgpu"
+        ) from error
+    try:
+        adapter.choose(backend.device)
+    except adapter.NoAdapter as error:
+        # A machine without the GPU asked for is the user's news, not a bug: no traceback.
+        raise ConfigError(f"backend=webgpu backend.device={backend.device}: {error}") from None
+
+
+def output(backend: WebgpuConfig) -> Output:
+    return Output(file="model.pte", runtime=RUNTIME, audit=AUDIT, device=backend.device)
+
+
+def toolchain(backend: WebgpuConfig) -> dict[str, str]:
+    # The lowering is the same whichever adapter will run it, and ExecuTorch's version is among
+    # the libraries its lowering code imports.
+    return {}
+
+
+def lower(
+    exported: Exported, backend: WebgpuConfig, fallback: FallbackConfig, out_dir: Path
+) -> Artifact:
+    from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
+    from exporter.backends.common.xnnpack_rewrites import rewritten
+    from exporter.backends.webgpu.partitioner import PolicyPartitioner
+
+    partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
+    program = rewritten(exported.program, WEBGPU_REWRITES)
+    return lowered_to_pte(
+        replace(exported, program=program),
+        partitioner,
+        partitioner.why_on_cpu,
+        output(backend),
+        out_dir,
+    )

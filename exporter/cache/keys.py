@@ -1,0 +1,76 @@
+"""What determines each cached result: the material its cache key is hashed from.
+
+Besides the config, a key holds the code that computes the result and the versions of the
+libraries that code imports (exporter/cache/fingerprint.py): after an edit of the model's file, an
+upgrade of transformers or an edit of the lowering code, the key changes and the work is done
+again; nothing stale is certified. Settings that do not change a result stay out of its key:
+tolerances and the device an artifact runs on re-use the lowered artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from exporter import backends, models
+from exporter.cache.fingerprint import code_of
+from exporter.config import BackendConfig, JobConfig
+from exporter.validate.reference import reference_device
+from runtimes.verdict.shapes import LiveShape
+
+
+def model(job: JobConfig) -> dict[str, Any]:
+    """What determines the module the model stage builds."""
+    return {
+        "config": dataclasses.asdict(job.model),
+        "code": models.code(job.model),
+        # A checkpoint rewritten in place is another model; its size and time say so without
+        # reading gigabytes.
+        "checkpoint": {
+            str(path): [path.stat().st_size, path.stat().st_mtime_ns]
+            for path in models.checkpoint_files(job.model)
+        },
+    }
+
+
+def export(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": model_material,
+        "dynamic": {name: [b.min, b.max, b.mode.value] for name, b in sorted(job.dynamic.items())},
+        "on_failure": job.export.on_failure.value,
+        "code": code_of(["exporter.export"]),
+    }
+
+
+def goldens(
+    job: JobConfig, model_material: dict[str, Any], shapes: list[LiveShape]
+) -> dict[str, Any]:
+    return {
+        "model": model_material,
+        "shapes": shapes,
+        "seed": job.validate.seed,
+        "reference_device": reference_device(job),
+        "code": code_of(["exporter.validate.goldens"]),
+    }
+
+
+def lower(job: JobConfig, export_material: dict[str, Any]) -> dict[str, Any]:
+    """The exported program's material, the backend's own settings and toolchain, the fallback
+    policy's partitioning, and the backend's lowering code."""
+    return {
+        "export": export_material,
+        "backend": job.backend.name,
+        "settings": _lowering_settings(job.backend),
+        "toolchain": backends.toolchain(job),
+        "fallback": job.fallback.partitioning(),
+        "code": code_of([f"exporter.backends.{job.backend.name}"]),
+    }
+
+
+def _lowering_settings(backend: BackendConfig) -> dict[str, Any]:
+    """The fields a backend's schema adds to BackendConfig's: those shape its artifact. The
+    common ones do not: the tolerances are validation's, the device the runtime's (a backend
+    whose artifact depends on the device, as a compiled package does, names it in its
+    toolchain)."""
+    common = {field.name for field in dataclasses.fields(BackendConfig)}
+    return {key: value for key, value in dataclasses.asdict(backend).items() if key not in common}

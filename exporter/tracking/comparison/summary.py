@@ -1,0 +1,246 @@
+"""One job as a row of the comparison: what it chose, how it ended, its errors, speed and size.
+
+Each job writes its summary.json into its run dir when it ends, whatever process runs it; a
+sweep's comparison reads them back from the sweep dir.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from exporter.files import write_json
+from exporter.tracking.record import JobRecord
+
+SUMMARY_FILE = "summary.json"
+# What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
+HYDRA_CONFIG = Path(".hydra") / "hydra.yaml"
+
+
+def group_choices(choices: Mapping[str, object]) -> dict[str, str]:
+    """Hydra's choice per top-level group; nested groups are schemas and Hydra's own."""
+    return {group: str(choice) for group, choice in choices.items() if "/" not in group}
+
+
+@dataclass
+class JobSummary:
+    job: str
+    choices: dict[str, str]
+    # passed, failed, killed; "no result" for a job that never wrote its summary.
+    status: str
+    exit_code: int | None
+    failed_stage: str | None = None
+    error: str | None = None
+    worst_max_abs_err: float | None = None
+    worst_nrmse: float | None = None
+    # The artifact's error over eager's at the model's dtype (the report's `ratio`), at its
+    # worst live shape, and that shape; None where no shape measured it.
+    worst_error_ratio: float | None = None
+    worst_error_ratio_at: str | None = None
+    # The live shapes that failed validation, by label (`seq=1`).
+    failed_shapes: list[str] = field(default_factory=list)
+    # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
+    # program again does not, "not localized" where the search could not say; None where no
+    # search ran.
+    diverged_at: str | None = None
+    # validate.repair=auto at work: the override, the first artifact's verdict and the
+    # repaired one's (logged as tags repair.*).
+    repair: dict[str, str] = field(default_factory=dict)
+    # The weights audit: how many parameters it checked, found changed and could not see.
+    weights_checked: int | None = None
+    weights_mismatched: int | None = None
+    weights_unseen: int | None = None
+    # The benchmark's median latency at the smallest and largest live shape, and the smallest
+    # of eager's median over the artifact's (below 1: slower than eager somewhere).
+    latency_at_min_ms: float | None = None
+    latency_at_max_ms: float | None = None
+    worst_speedup_vs_eager: float | None = None
+    # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
+    benchmark: dict[str, str] = field(default_factory=dict)
+    artifact_bytes: int | None = None
+    delegated_fraction: float | None = None
+    fallback_op_count: int | None = None
+    # The kinds of problem draft_export found when torch.export failed, and whether the job
+    # went on with draft_export's program (export.on_failure=draft).
+    export_failures: list[str] = field(default_factory=list)
+    draft: bool = False
+    # Wall seconds per stage that ran: config, startup, model, export, lower, goldens, validate.
+    seconds: dict[str, float] = field(default_factory=dict)
+    # Wall seconds from the job's start (its config composed) to its record's end.
+    total_s: float | None = None
+    # Peak RSS of the job's worker per stage that ran and over the job, the model's weights, and
+    # the job's peak over them (JobRecord says what each covers). Host memory only.
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    job_peak_rss_bytes: int | None = None
+    peak_rss_scope: str | None = None
+    weight_bytes: int | None = None
+    peak_rss_over_weights: float | None = None
+    # Per cached stage: whether its work came from the cache, and the key of its entry.
+    cache_hits: dict[str, bool] = field(default_factory=dict)
+    cache_keys: dict[str, str] = field(default_factory=dict)
+    # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
+    target: dict[str, str] = field(default_factory=dict)
+    # Per live shape, smallest first: its size per dynamic dim, the worst error, and where the
+    # benchmark ran, the median latency with its 10th and 90th percentiles, eager's median and
+    # the speedup over it (None where eager did not run).
+    shapes: list[dict[str, int]] = field(default_factory=list)
+    max_abs_err: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    latency_p10_ms: list[float] = field(default_factory=list)
+    latency_p90_ms: list[float] = field(default_factory=list)
+    eager_latency_ms: list[float | None] = field(default_factory=list)
+    speedup_vs_eager: list[float | None] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, record: JobRecord, choices: dict[str, str]) -> JobSummary:
+        summary = cls(
+            job=record.run_dir.name,
+            choices=choices,
+            status=record.outcome,
+            exit_code=record.exit_code,
+            failed_stage=record.failed_stage,
+            seconds=dict(record.seconds),
+            total_s=(record.ended_ms - record.started_ms) / 1000 if record.ended_ms else None,
+            peak_rss_bytes=dict(record.peak_rss_bytes),
+            job_peak_rss_bytes=record.job_peak_rss_bytes,
+            peak_rss_scope=record.peak_rss_scope,
+            weight_bytes=record.weight_bytes,
+            cache_hits=dict(record.cache_hits),
+            cache_keys=dict(record.cache_keys),
+        )
+        # A stopped job's error says what stopped it.
+        summary.error = str(record.error) if record.error else record.stop_reason
+        if record.job_peak_rss_bytes and record.weight_bytes:
+            summary.peak_rss_over_weights = record.job_peak_rss_bytes / record.weight_bytes
+        if record.artifact and record.artifact.path.exists():
+            summary.artifact_bytes = sum(path.stat().st_size for path in record.artifact.files())
+            if record.artifact.partition:
+                summary.delegated_fraction = record.artifact.partition.delegated_fraction
+                summary.fallback_op_count = record.artifact.partition.fallback_op_count
+        if record.diagnosis:
+            summary.export_failures = record.diagnosis.kinds
+            summary.draft = record.diagnosis.continued_with_draft
+        if record.report:
+            results = record.report.by_shape()
+            summary.target = dict(record.report.target)
+            summary.worst_max_abs_err = record.report.worst("max_abs")
+            summary.worst_nrmse = record.report.worst("nrmse")
+            summary.shapes = [dict(result.shape) for result in results]
+            summary.max_abs_err = [result.stats["max_abs"] for result in results]
+            summary.failed_shapes = record.report.failed_labels()
+            if worst := record.report.worst_ratio_at():
+                summary.worst_error_ratio, summary.worst_error_ratio_at = worst
+        if record.weights_audit:
+            found = record.weights_audit
+            summary.weights_checked = len(found.checked)
+            summary.weights_mismatched = len(found.mismatched) + len(found.corrupted)
+            summary.weights_unseen = len(found.unseen)
+        if record.localization:
+            summary.diverged_at = record.localization.summary()
+        if record.repair:
+            summary.repair = record.repair.summary()
+        if record.benchmark:
+            timed = record.benchmark.shapes
+            summary.latency_ms = [shape.artifact.median_ms for shape in timed]
+            summary.latency_p10_ms = [shape.artifact.p10_ms for shape in timed]
+            summary.latency_p90_ms = [shape.artifact.p90_ms for shape in timed]
+            summary.eager_latency_ms = [
+                shape.eager.median_ms if shape.eager else None for shape in timed
+            ]
+            summary.speedup_vs_eager = [shape.speedup_vs_eager for shape in timed]
+            summary.latency_at_min_ms = summary.latency_ms[0]
+            summary.latency_at_max_ms = summary.latency_ms[-1]
+            summary.worst_speedup_vs_eager = record.benchmark.worst_speedup_vs_eager()
+            summary.benchmark = {
+                "threads": str(record.benchmark.threads),
+                "clock": timed[0].artifact.clock,
+                "eager_device": record.benchmark.eager_device or "none",
+            }
+        return summary
+
+    def verdict(self) -> str:
+        """How the job ended and its figures, in one line (its MLflow run's description):
+        `passed (exit 0) at all 7 live shapes: worst error ratio 2.24 at seq=1 (artifact's
+        error / eager's); speedup over eager 2.43x..53.5x`."""
+        figures = "; ".join(self.figures())
+        return f"{self.outcome()}: {figures}" if figures else self.outcome()
+
+    def outcome(self, exit_code: int | None = None) -> str:
+        """How the job ended: `passed (exit 0) at all 7 live shapes`, `failed (exit 1) at the
+        validate stage: 2 of 7 live shapes failed: seq=1, seq=2`, `killed (exit 130) during the
+        lower stage: stopped by Ctrl-C (SIGINT)`. `exit_code`: the command's, where it differs
+        from the job's (a passed job whose MLflow run could not be written exits 7)."""
+        if self.exit_code is None:
+            return "no result: the job's process ended without recording how the job ended"
+        exit_code = self.exit_code if exit_code is None else exit_code
+        code = f"(exit {exit_code})"
+        if self.status == "killed":
+            signal_name = signal.Signals(exit_code - 128).name if exit_code > 128 else "a signal"
+            reason = self.error or f"stopped by {signal_name}"
+            return f"killed {code} during the {self.failed_stage} stage: {reason}"
+        if self.status == "passed":
+            shapes = f" at all {len(self.shapes)} live shapes" if self.shapes else ""
+            tracking = "; its MLflow run was not written" if exit_code else ""
+            return f"passed {code}{shapes}{tracking}"
+        if self.failed_stage == "validate" and self.failed_shapes:
+            why = (
+                f"{len(self.failed_shapes)} of {len(self.shapes)} live shapes failed: "
+                + ", ".join(self.failed_shapes)
+            )
+        else:
+            why = (self.error or "").split("\n", 1)[0]
+        return f"failed {code} at the {self.failed_stage} stage: {why}"
+
+    def figures(self) -> list[str]:
+        """The worst error ratio and the speedup range over eager, where they were measured."""
+        figures = []
+        if self.worst_error_ratio is not None:
+            figures.append(
+                f"worst error ratio {self.worst_error_ratio:.3g} at {self.worst_error_ratio_at} "
+                "(artifact's error / eager's)"
+            )
+        if speedups := self.speedup_range():
+            figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
+        return figures
+
+    def speedup_range(self) -> tuple[float, float] | None:
+        """The smallest and largest speedup over eager among the live shapes the benchmark timed
+        beside eager; None where it timed none."""
+        speedups = [speedup for speedup in self.speedup_vs_eager if speedup is not None]
+        return (min(speedups), max(speedups)) if speedups else None
+
+    @classmethod
+    def missing(cls, job_dir: Path) -> JobSummary:
+        """A job whose process ended without a summary: killed, or crashed outside Python."""
+        hydra = OmegaConf.load(job_dir / HYDRA_CONFIG).hydra
+        choices = group_choices(OmegaConf.to_container(hydra.runtime.choices))
+        return cls(job=job_dir.name, choices=choices, status="no result", exit_code=None)
+
+    def write(self, folder: Path) -> Path:
+        return write_json(folder / SUMMARY_FILE, asdict(self))
+
+    @classmethod
+    def read(cls, folder: Path) -> JobSummary:
+        payload = json.loads((folder / SUMMARY_FILE).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+def collect(sweep_dir: Path) -> list[JobSummary]:
+    """Every job of a sweep, in job order, with or without a summary."""
+    job_dirs = [path.parent.parent for path in sweep_dir.glob(f"*/{HYDRA_CONFIG}")]
+    return [
+        JobSummary.read(job) if (job / SUMMARY_FILE).exists() else JobSummary.missing(job)
+        for job in sorted(job_dirs, key=_job_order)
+    ]
+
+
+def _job_order(job_dir: Path) -> tuple[int, str]:
+    # Hydra numbers a sweep's jobs; the default subdir starts with that number.
+    number, _, _ = job_dir.name.partition("-")
+    return (int(number) if number.isdigit() else -1, job_dir.name)

@@ -1,0 +1,1 @@
+"""One module (or subpackage) per runtime, each with `load(path, device) -> Loaded`."""
