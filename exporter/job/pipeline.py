@@ -36,7 +36,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
     try:
         write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
         with stage(record, "config", notify):
-            backends.check_target(job)
+            backends.configured(job).check_target()
         # Seconds of their own (opening a new SQLite store, importing torch): a stage, so that
         # the job's time is all in its stages.
         with stage(record, "startup", notify):

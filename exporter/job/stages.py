@@ -38,7 +38,6 @@ from exporter.process import memory, progress
 from exporter.tracking.record import JobRecord
 from exporter.validate import goldens
 from exporter.validate.plan import plan
-from exporter.validate.reference import reference_device
 from runtimes import Loaded
 from runtimes import load as load_runtime
 from runtimes.files import PARTIAL_PREFIX
@@ -69,7 +68,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
             export_material = cache_keys.export(job, model_material)
             _export(cache, record, job, bundle, export_material)
     expected = None
-    if backends.makes_runnable(job):
+    if backends.configured(job).makes_runnable:
         # Before lowering: the oracle and eager's reference run on the module, which then goes,
         # so no stage holds both the model and its exported program.
         with stage(record, "goldens", notify):
@@ -84,7 +83,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
     memory.release_freed()
     memory.spare_survivors()
     if job.artifact:
-        artifact = backends.adopt(Path(job.artifact), job)
+        artifact = backends.configured(job).adopt(Path(job.artifact))
         log.info("[lower] skipped: validating the given artifact %s", artifact.path)
     else:
         with stage(record, "lower", notify):
@@ -110,7 +109,7 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         job.validate.kl_factor,
         job.validate.top1_slack,
     )
-    backend_precision = backends.half_precision(job)
+    backend_precision = backends.configured(job).half_precision
     goldens_source = goldens_file or expected
     if job.bundle:
         with stage(record, "bundle", notify):
@@ -358,7 +357,7 @@ def _localize(
             # The part is in memory only: its path is where a backend that ships the program
             # itself (eager) saves it.
             exported = Exported(part, folder / export.PROGRAM_FILE, profiles)
-            artifact = backends.lower(exported, job, folder)
+            artifact = backends.configured(job).lower(exported, folder)
             return lambda: load_runtime(artifact.path, artifact.runtime, artifact.device)
 
         def fails(outputs: Sequence[torch.Tensor]) -> bool:
@@ -450,7 +449,7 @@ def _eager(
     program = run_dir / export.PROGRAM_FILE
     if not program.exists():
         return None
-    device = benchmark.eager_device(job.backend.device, target)
+    device = backends.configured(job).eager_device(target)
     return benchmark.Subject("eager", device, lambda: load_runtime(program, "eager", device))
 
 
@@ -509,13 +508,14 @@ def _lower(
     export_material: dict[str, Any],
 ) -> Artifact:
     material = cache_keys.lower(job, export_material)
+    backend = backends.configured(job)
     with _built(
-        cache, record, "lower", material, lambda out: backends.lower(exported, job, out)
+        cache, record, "lower", material, lambda out: backend.lower(exported, out)
     ) as folder:
         # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
-        backends.check_fallback(backends.lowered_in(folder, job), job)
+        backend.check_fallback(backend.lowered_in(folder))
         link_files(folder, record.run_dir)
-    return backends.lowered_in(record.run_dir, job)
+    return backend.lowered_in(record.run_dir)
 
 
 def _goldens(
@@ -534,7 +534,9 @@ def _goldens(
     record.cache_keys["goldens"] = key_of(material)
 
     def compute() -> stored_goldens.Goldens:
-        return goldens.compute(bundle, shapes, job.validate.seed, reference_device(job))
+        return goldens.compute(
+            bundle, shapes, job.validate.seed, backends.configured(job).reference_device
+        )
 
     if cache is None:
         return compute(), None
