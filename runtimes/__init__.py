@@ -4,8 +4,9 @@
 check that validates a bundle there (`python -m runtimes.check BUNDLE`).
 
 Every module (or subpackage) of runtimes/loaders/ is one runtime, with a
-`load(path: Path, device: str) -> Loaded`; it is imported only when its artifact is loaded, so a
-target installs only the toolchain its own runtime needs.
+`load(path: Path, device: str) -> Loaded` and the `PACKAGES` (distributions) it loads artifacts
+with; it is imported only when its artifact is loaded, so a target installs only the toolchain
+its own runtime needs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ def names() -> list[str]:
 
 def load(path: Path, runtime: str, device: str = "cpu") -> Loaded:
     return _module(runtime).load(path, device)
+
+
+def packages(runtime: str) -> tuple[str, ...]:
+    """The distributions the runtime loads artifacts with, as its loader declares them."""
+    return tuple(_module(runtime).PACKAGES)
 
 
 def set_threads(runtime: str, count: int) -> None:

@@ -29,16 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runtimes import Loaded, load, native_log, verdict
+from runtimes import Loaded, load, native_log, packages, verdict
 from runtimes.files import atomic_path
 from runtimes.formats.bundle import Bundle, BundleInvalid, read, versions
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 
 PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130
 REPORT_FILE = "report.json"
-# Distributions whose versions a report records where installed: torch, and the packages the
-# runtimes of this package load artifacts with.
-_PACKAGES = ("torch", "executorch", "wgpu", "flatbuffers", "torch_tensorrt", "tensorrt")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,7 +134,7 @@ def _load_failure(bundle: Bundle, device: str, error: Exception) -> str:
         f"{type(error).__name__}: {error}"
     )
     built_with = bundle.source.get("libraries", {}).get("torch")
-    here = versions(_PACKAGES).get("torch")
+    here = versions(("torch",)).get("torch")
     if built_with and built_with != here:
         message += f" (the artifact was built with torch {built_with}; this is torch {here})"
     return message
@@ -161,13 +158,24 @@ def _check(
         "device": device,
         "host": socket.gethostname(),
         "platform": platform.platform(),
-        "packages": versions(_PACKAGES),
+        "packages": _installed(bundle.runtime),
         "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
         "seconds": time.time() - started,
         "exit_code": exit_code,
         "error": error,
     }
     return payload
+
+
+def _installed(runtime: str) -> dict[str, str]:
+    """The installed versions of torch and of the distributions the runtime's loader declares;
+    torch's alone where there is no such loader or it cannot be imported (the load's error says
+    why)."""
+    try:
+        declared = packages(runtime)
+    except (ImportError, ValueError):
+        declared = ()
+    return versions(("torch", *declared))
 
 
 def _written(path: Path, payload: Mapping[str, Any]) -> int | None:

@@ -97,6 +97,8 @@ def test_an_executorch_bundle_checks_without_the_exporter_and_matches_the_job(
     )
     assert (checked["check"]["runtime"], checked["check"]["device"]) == ("executorch", "cpu")
     assert checked["check"]["exit_code"] == 0
+    # The versions of what the executorch runtime's loader declares it loads with.
+    assert sorted(checked["check"]["packages"]) == ["executorch", "flatbuffers", "torch"]
     # The job's report says what it bundled; MLflow keeps the manifest, not a second artifact.
     assert job["bundle"]["files"] == manifest["files"]
     logged = [
@@ -118,6 +120,7 @@ def test_a_webgpu_bundle_checks_on_lavapipe_without_executorch(tmp_path: Path) -
     assert len(checked["shapes"]) == 7
     assert "llvmpipe" in checked["target"]["adapter"]
     assert checked["check"]["source"]["run_id"] is None
+    assert sorted(checked["check"]["packages"]) == ["flatbuffers", "numpy", "torch", "wgpu"]
     assert per_shape(checked, "max_abs") == pytest.approx(per_shape(job.report(), "max_abs"))
 
 

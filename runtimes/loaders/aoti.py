@@ -13,6 +13,9 @@ from torch._inductor import aoti_load_package
 
 from runtimes.on_device import OnDevice
 
+# The distributions it loads artifacts with, whose versions a check's report records.
+PACKAGES = ("torch",)
+
 # Where the compiler records the package's device in its metadata.
 _DEVICE_KEY = "AOTI_DEVICE_KEY"
 

@@ -9,6 +9,9 @@ from torch.export.passes import move_to_device_pass
 
 from runtimes.on_device import OnDevice
 
+# The distributions it loads artifacts with, whose versions a check's report records.
+PACKAGES = ("torch",)
+
 
 def load(path: Path, device: str) -> ExportedProgramModule:
     return ExportedProgramModule(path, device)

@@ -19,6 +19,9 @@ from flatbuffers import number_types as N
 
 from runtimes.formats.flatbuffer_table import Table
 
+# The distributions it loads artifacts with, whose versions a check's report records.
+PACKAGES = ("torch", "executorch", "flatbuffers")
+
 DATA_SUFFIX = ".ptd"
 
 

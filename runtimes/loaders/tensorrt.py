@@ -16,6 +16,9 @@ import torch
 from runtimes.loaders.aoti import AotiPackage
 from runtimes.on_device import OnDevice
 
+# The distributions it loads artifacts with, whose versions a check's report records.
+PACKAGES = ("torch", "torch_tensorrt", "tensorrt")
+
 
 def load(path: Path, device: str) -> TensorrtProgram | TensorrtExecutorchProgram | AotiPackage:
     loaders = {

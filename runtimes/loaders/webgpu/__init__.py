@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from runtimes.loaders.webgpu.program import WebgpuProgram
 
+# The distributions it loads artifacts with, whose versions a check's report records.
+PACKAGES = ("torch", "wgpu", "flatbuffers", "numpy")
+
 
 def load(path: Path, device: str) -> WebgpuProgram:
     """`device`: the wgpu adapter choice, auto, gpu or cpu."""
