@@ -131,7 +131,7 @@ def test_an_edited_model_or_lowering_rebuilds_a_changed_tolerance_does_not(
     assert b"gelu" in program
 
     # An edit of the lowering code rebuilds the lowering only.
-    lowering = project / "exporter" / "lowering" / "executorch_program.py"
+    lowering = project / "exporter" / "backends" / "common" / "executorch_program.py"
     lowering.write_text(lowering.read_text() + "\n# edited\n")
     relowered, output = job_in(project, tmp_path)
     assert hits(relowered) == {"export": "true", "goldens": "true", "lower": "false"}, output

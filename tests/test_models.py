@@ -11,6 +11,7 @@ from transformers import LlamaConfig as HfLlamaConfig
 from transformers import LlamaForCausalLM
 
 from exporter import models
+from exporter.cache import keys
 from exporter.config import CustomModelConfig, DimBounds, LlamaConfig, MlpConfig
 from exporter.errors import ConfigError
 from tests.conftest import CliResult
@@ -74,25 +75,25 @@ def test_a_custom_factory_draws_its_random_weights_from_the_model_seed() -> None
 
 def test_files_a_model_is_read_from_key_its_cache_entries(checkpoint, tmp_path: Path) -> None:
     directory, _ = checkpoint
-    assert directory / "config.json" in models.checkpoint_files(
+    assert directory / "config.json" in keys.checkpoint_files(
         small_llama(checkpoint=str(directory))
     )
-    assert models.checkpoint_files(small_llama()) == []
+    assert keys.checkpoint_files(small_llama()) == []
     by_module = CustomModelConfig(name="custom", factory="tests.failing_models:fixed_batch")
-    assert "tests/failing_models.py" in models.code(by_module)["sources"]
+    assert "tests/failing_models.py" in keys.model_code(by_module)["sources"]
     script = tmp_path / "mine.py"
     helper = tmp_path / "helper.py"
     script.write_text("from helper import LAYERS\n\ndef declare(): ...\n")
     helper.write_text("LAYERS = 2\n")
     by_file = CustomModelConfig(name="custom", factory=f"{script}:declare")
-    before = models.code(by_file)
+    before = keys.model_code(by_file)
     assert {"mine.py", "helper.py"} <= set(before["sources"])
     helper.write_text("LAYERS = 3\n")
-    assert models.code(by_file) != before
+    assert keys.model_code(by_file) != before
 
 
 def test_a_models_code_is_its_builder_and_the_libraries_it_imports() -> None:
-    mlp, llama = models.code(MlpConfig(name="mlp")), models.code(small_llama())
+    mlp, llama = keys.model_code(MlpConfig(name="mlp")), keys.model_code(small_llama())
     assert "exporter/models/mlp.py" in mlp["sources"]
     assert "exporter/models/llama.py" not in mlp["sources"]
     assert "transformers" in llama["libraries"] and "transformers" not in mlp["libraries"]

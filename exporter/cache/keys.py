@@ -10,11 +10,13 @@ tolerances and the device an artifact runs on re-use the lowered artifact.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from exporter import backends, models
-from exporter.cache.fingerprint import code_of
-from exporter.config import BackendConfig, JobConfig
+from exporter.cache.fingerprint import PROJECT_ROOT, code_of
+from exporter.config import BackendConfig, CustomModelConfig, JobConfig, ModelConfig
+from exporter.models import custom
 from runtimes.verdict.shapes import LiveShape
 
 
@@ -22,14 +24,33 @@ def model(job: JobConfig) -> dict[str, Any]:
     """What determines the module the model stage builds."""
     return {
         "config": dataclasses.asdict(job.model),
-        "code": models.code(job.model),
+        "code": model_code(job.model),
         # A checkpoint rewritten in place is another model; its size and time say so without
         # reading gigabytes.
         "checkpoint": {
             str(path): [path.stat().st_size, path.stat().st_mtime_ns]
-            for path in models.checkpoint_files(job.model)
+            for path in checkpoint_files(job.model)
         },
     }
+
+
+def model_code(cfg: ModelConfig) -> dict[str, Any]:
+    """The sources and library versions behind the module the model stage builds: the stage,
+    the model's builder and what they import, or a custom factory's file and what it imports."""
+    modules = [models.__name__, models.builder(cfg)]
+    if isinstance(cfg, CustomModelConfig):
+        file, root = custom.source(cfg)
+        return code_of(modules, files=[file], roots=(PROJECT_ROOT, root))
+    return code_of(modules)
+
+
+def checkpoint_files(cfg: ModelConfig) -> list[Path]:
+    """The files of the checkpoint the model is read from, if any: one rewritten in place makes
+    another model."""
+    checkpoint = getattr(cfg, "checkpoint", None)
+    if checkpoint:
+        return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
+    return []
 
 
 def export(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from exporter.cache.fingerprint import PROJECT_ROOT, code_of
 from exporter.config import (
     CustomModelConfig,
     DimBounds,
@@ -23,7 +20,6 @@ from exporter.config import (
     ToyConfig,
 )
 from exporter.errors import ConfigError
-from exporter.models import custom
 from exporter.models.bundle import (
     DynamicDim,
     ModelBundle,
@@ -52,15 +48,15 @@ __all__ = [
     "ModelBundle",
     "ModelDeclaration",
     "build",
-    "checkpoint_files",
-    "code",
+    "builder",
     "torch_dtype",
     "weight_bytes",
     "weights",
 ]
 
 
-def _builder(cfg: ModelConfig) -> str:
+def builder(cfg: ModelConfig) -> str:
+    """The module that builds the model of `cfg` (its `declare`)."""
     return f"{__name__}.{_BUILDERS[type(cfg)]}"
 
 
@@ -69,7 +65,7 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
     # same in every process, as the cache and the goldens need.
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        declaration = importlib.import_module(_builder(cfg)).declare(cfg)
+        declaration = importlib.import_module(builder(cfg)).declare(cfg)
     dtype = torch_dtype(cfg.dtype)
     make_inputs = declaration.make_inputs
 
@@ -117,22 +113,3 @@ def _bound_dims(
         axes = tuple(declaration.dim_axes[name])
         dims.append(DynamicDim(name, axes, bounds.min, bounds.max, bounds.mode))
     return tuple(dims)
-
-
-def checkpoint_files(cfg: ModelConfig) -> list[Path]:
-    """The files of the checkpoint the model is read from, if any: one rewritten in place makes
-    another model."""
-    checkpoint = getattr(cfg, "checkpoint", None)
-    if checkpoint:
-        return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
-    return []
-
-
-def code(cfg: ModelConfig) -> dict[str, Any]:
-    """The sources and library versions behind the module `build` makes: this stage, the
-    model's builder and what they import, or a custom factory's file and what it imports."""
-    modules = [__name__, _builder(cfg)]
-    if isinstance(cfg, CustomModelConfig):
-        file, root = custom.source(cfg)
-        return code_of(modules, files=[file], roots=(PROJECT_ROOT, root))
-    return code_of(modules)
