@@ -1,6 +1,6 @@
 """The readers of the weights audit, one per artifact format: each returns the constants it
-found in an artifact, audited against the model's weights. A backend's declaration names the one
-that reads its artifact (`Backend.audit`).
+found in an artifact, audited against the model's weights (each is a `WeightsReader`). A
+backend's declaration names the one that reads its artifact (`Backend.audit`).
 
 Every backend module imports this one to declare its reader, and composing a config imports
 every backend module: torch and the format's code are imported inside the readers.
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 
     from exporter.audit.matching import Constant
     from exporter.backends.common.artifact import Artifact
-
-# What reads an artifact's weights: the artifact and the model's weights by name (host
-# tensors), to its audit.
-WeightsReader = Callable[["Artifact", Mapping[str, "torch.Tensor"]], WeightsAudit]
 
 TENSORRT_UNSEEN = (
     "TensorRT engines hold their weights in TensorRT's serialized form, which only TensorRT "

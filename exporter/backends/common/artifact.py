@@ -3,6 +3,7 @@ it), the runtime that loads it, the device it runs on, its partitioning."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,7 +11,13 @@ from typing import TYPE_CHECKING
 from exporter.backends.common.partition import PartitionSummary
 
 if TYPE_CHECKING:
-    from exporter.audit.readers import WeightsReader
+    import torch
+
+    from exporter.audit.result import WeightsAudit
+
+# How the weights audit reads an artifact's weights: the artifact and the model's weights by
+# name (host tensors), to its audit (the readers are in exporter/audit/readers.py).
+WeightsReader = Callable[["Artifact", Mapping[str, "torch.Tensor"]], "WeightsAudit"]
 
 
 @dataclass(frozen=True)

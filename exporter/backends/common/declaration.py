@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.config import BackendConfig, FallbackConfig
 
 if TYPE_CHECKING:
-    from exporter.audit.readers import WeightsReader
-    from exporter.backends.common.artifact import Artifact, Output
+    from exporter.backends.common.artifact import Artifact, Output, WeightsReader
     from exporter.export import Exported
 
 
