@@ -42,11 +42,6 @@ class Backend:
     def name(self) -> str:
         return next(f.default for f in dataclasses.fields(self.schema) if f.name == "name")
 
-    @property
-    def devices(self) -> tuple[str, ...]:
-        """The values `backend.device` may take."""
-        return self.schema.devices
-
     def output(self, config: Any) -> Output:
         """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""
         raise NotImplementedError(f"backend {self.name} declares no output()")
