@@ -64,6 +64,8 @@ def test_the_lowering_key_holds_the_backends_own_code_and_toolchain() -> None:
     assert "exporter/backends/executorch/xnnpack_partitioner.py" in material["code"]["sources"]
     assert "executorch" in material["code"]["libraries"]
     assert "exporter/backends/webgpu/__init__.py" not in material["code"]["sources"]
+    # Nor the weights audit's, which the declaration names: an edited reader relowers nothing.
+    assert not any(path.startswith("exporter/audit/") for path in material["code"]["sources"])
 
 
 # A copy of the project, so a test can edit its code as a user would, without touching ours.
