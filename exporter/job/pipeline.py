@@ -19,6 +19,7 @@ from exporter import backends, config
 from exporter.errors import ExporterError
 from exporter.files import write_bytes
 from exporter.job.ending import conclude, keep_traceback, open_run, start_run
+from exporter.job.produced import Produced
 from exporter.job.timing import Notify, stage
 from exporter.process import progress, slurm
 from exporter.tracking.record import JobContext, JobRecord
@@ -32,6 +33,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
     """Runs one job and returns its exit code (0 passed, 1 validation failed, 2..7 where it
     failed, 128 + the signal that stopped it)."""
     record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
+    produced = Produced()
     store = run_id = None
     try:
         write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
@@ -54,7 +56,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             progress.doing("loading torch and the stages' libraries")
             from exporter.job import stages
 
-        stages.run(job, record, notify)
+        stages.run(job, produced, record, notify)
     except ExporterError as error:
         record.error = error
         log.error("[%s] %s", error.stage, error)
@@ -70,4 +72,6 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             record.stage,
             record.run_dir,
         )
+    # The record is assembled from what the stages returned, however the job ended.
+    produced.into(record)
     return conclude(record, context, store, run_id)
