@@ -1,23 +1,24 @@
-"""One job: config -> startup -> model -> export -> lower -> goldens -> validate -> track.
+"""One job: config -> startup -> model -> export -> goldens -> lower -> bundle -> validate ->
+localize -> repair -> benchmark, then its ending (summary, plots, the MLflow run closed).
 
 Runs in the job's worker process (exporter/job/worker.py). The config stage checks what only
 the backend's toolchain can judge; then the startup stage opens the job's MLflow run and loads
-the stages' libraries, and the stages run (exporter/job/stages.py). A stage's failure becomes the
+the stages' libraries, and the stages run (exporter/job/stages.py: which of bundle, localize,
+repair and benchmark run depends on the job and its verdict). A stage's failure becomes the
 ExporterError of that stage, whose exit code the job returns; the run dir keeps every file
-written before it. Whatever ends the job, its record is concluded: summary, plots, the MLflow run
-closed with its status, and the lines the job ends with (exporter/job/verdict.py).
+written before it. Whatever ends the job, its record is assembled from what the stages returned
+(exporter/job/produced.py) and concluded: summary, plots, the MLflow run closed with its status,
+and the lines the job ends with (exporter/job/verdict.py).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-
-from omegaconf import DictConfig, OmegaConf
+from collections.abc import Mapping
 
 from exporter import backends, config
 from exporter.errors import ExporterError
-from exporter.files import write_bytes
 from exporter.job.ending import conclude, keep_traceback, open_run, start_run
 from exporter.job.produced import Produced
 from exporter.job.timing import Notify, stage
@@ -26,17 +27,17 @@ from exporter.tracking.record import JobContext, JobRecord
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
 
-
-def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Notify) -> int:
+def run(
+    job: config.JobConfig, params: Mapping[str, str], context: JobContext, notify: Notify
+) -> int:
     """Runs one job and returns its exit code (0 passed, 1 validation failed, 2..7 where it
-    failed, 128 + the signal that stopped it)."""
+    failed, 128 + the signal that stopped it). `params`: the MLflow run's params, the composed
+    config flattened (the typed job has no form for what a user wrote)."""
     record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
     produced = Produced()
     store = run_id = None
     try:
-        write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
         with stage(record, "config", notify):
             backends.check_target(job)
         # Seconds of their own (opening a new SQLite store, importing torch): a stage, so that
@@ -49,7 +50,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
                 from exporter.tracking import runs as tracking
 
                 store = tracking.open_store(job.mlflow)
-                run_id = record.run_id = start_run(store, cfg, context, record)
+                run_id = record.run_id = start_run(store, params, context, record)
                 notify("run_id", run_id)
             # Imported only now: the stages load torch, which a configuration error need not
             # wait for.
@@ -63,7 +64,7 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
         keep_traceback(error, record.run_dir)
         if run_id is None and context.parent_run_id:
             # A sweep's comparison and parent run need every job's run, a refused one too.
-            store, run_id = open_run(cfg, context, record)
+            store, run_id = open_run(job.mlflow, params, context, record)
     except KeyboardInterrupt:
         record.stopped_by = signal.SIGINT
         record.stop_reason = slurm.stop_reason(signal.SIGINT)
