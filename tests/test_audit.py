@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from exporter import backends, config, export, models
-from exporter.audit import READERS, TENSORRT_UNSEEN, WeightsAudit, audit
+from exporter.audit import WeightsAudit, audit, readers
 from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
@@ -39,7 +39,7 @@ def lowered(out_dir: Path, *overrides: str) -> tuple[Weights, Artifact]:
     job = composed(*overrides)
     exported = export.run(models.build(job.model, job.dynamic), job.export.on_failure, out_dir)
     weights = {**exported.program.state_dict, **exported.program.constants}
-    return weights, backends.lower(exported, job, out_dir)
+    return weights, backends.configured(job).lower(exported, out_dir)
 
 
 def tokens_validation_draws(*overrides: str) -> set[int]:
@@ -244,27 +244,26 @@ def test_the_eager_programs_weights_are_checked_by_name(
 ) -> None:
     weights, artifact = llama
     program = artifact.path.parent / export.PROGRAM_FILE
-    eager = replace(artifact, path=program, runtime="eager", audit="exported_program")
+    eager = replace(artifact, path=program, runtime="eager", audit=readers.exported_program)
     result = audit(eager, weights)
     assert len(result.checked) == 23 and result.passed
 
 
-def test_tensorrt_leaves_every_parameter_unseen_with_why_and_no_reader_passes_unread(
+def test_tensorrt_leaves_every_parameter_unseen_with_why(
     llama: tuple[Weights, Artifact],
 ) -> None:
     weights, artifact = llama
     engine = replace(
-        artifact, path=artifact.path.with_suffix(".ep"), runtime="tensorrt", audit="tensorrt_engine"
+        artifact,
+        path=artifact.path.with_suffix(".ep"),
+        runtime="tensorrt",
+        audit=readers.tensorrt_engine,
     )
     tensorrt = audit(engine, weights)
     assert tensorrt.passed and tensorrt.checked == ()
     assert [u.parameter for u in tensorrt.unseen] == list(weights)
-    assert {u.why for u in tensorrt.unseen} == {TENSORRT_UNSEEN}
+    assert {u.why for u in tensorrt.unseen} == {readers.TENSORRT_UNSEEN}
     assert tensorrt.to_json()["unseen"] == list(weights)
-    # A format the audit has no reader for fails the stage, rather than passing every job.
-    with pytest.raises(KeyError, match="coreml"):
-        audit(replace(artifact, audit="coreml"), weights)
-    assert "coreml" not in READERS
 
 
 def test_a_file_that_is_no_program_is_reported_unread(

@@ -3,22 +3,22 @@ module missing one of its pieces, or a piece without its module, fails here."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import runtimes
 from exporter import backends, config
-from exporter.audit import READERS
 from exporter.cache.fingerprint import code_of
-from exporter.config import BackendConfig
 from tests.conftest import CONF_DIR, PROJECT_ROOT
 from tests.test_config import composed
 
-FUNCTIONS = ("output", "check", "toolchain", "lower")
+
+def configured(*overrides: str) -> backends.ConfiguredBackend:
+    return backends.configured(config.to_job(composed("model=mlp", *overrides)))
 
 
 def test_the_registry_is_the_modules_of_the_package_and_the_config_group() -> None:
@@ -30,34 +30,27 @@ def test_the_registry_is_the_modules_of_the_package_and_the_config_group() -> No
 
 @pytest.mark.parametrize("name", backends.names())
 def test_a_backend_module_declares_every_piece(name: str) -> None:
-    module = backends.declared(name)
-    schema = module.SCHEMA
-    assert issubclass(schema, BackendConfig)
-    defaults = {f.name: f.default for f in dataclasses.fields(schema)}
-    assert defaults["name"] == name
-    assert isinstance(defaults["atol"], float) and isinstance(defaults["rtol"], float)
-    assert schema.devices and defaults["device"] in schema.devices
-    assert module.RUNTIME in runtimes.names()
-    assert module.DELEGATE is None or isinstance(module.DELEGATE, str)
-    # The weights audit reads its artifact with the reader it names (no reader fails here,
-    # not every job silently).
-    assert module.AUDIT in READERS, f"{name} declares no weights reader the audit has"
-    assert module.output(schema()).audit == module.AUDIT
-    for function in FUNCTIONS:
-        assert inspect.isfunction(getattr(module, function)), f"{name} has no {function}()"
+    backend = backends.declared(name)
+    schema = backend.schema
+    assert backend.name == name
+    assert backend.runtime in runtimes.names()
+    # The artifact carries the declared reader and runtime to the audit and the validation.
+    made = backend.output(schema())
+    assert made.audit is backend.audit and made.runtime == backend.runtime
+    assert made.device in schema.devices or made.device == "cuda"
 
 
 @pytest.mark.parametrize("name", backends.names())
 def test_its_config_group_option_selects_its_schema_with_its_defaults(name: str) -> None:
     job = config.to_job(composed(f"backend={name}", "model=mlp"))
-    schema = backends.declared(name).SCHEMA
+    schema = backends.declared(name).schema
     assert type(job.backend) is schema
     assert job.backend == schema()
 
 
 @pytest.mark.parametrize("name", backends.names())
 def test_its_runtime_loads_through_runtimes_load(name: str) -> None:
-    runtime = __import__(f"runtimes.loaders.{backends.declared(name).RUNTIME}", fromlist=["load"])
+    runtime = __import__(f"runtimes.loaders.{backends.declared(name).runtime}", fromlist=["load"])
     assert list(inspect.signature(runtime.load).parameters) == ["path", "device"]
 
 
@@ -85,3 +78,21 @@ def test_a_runtime_imports_nothing_of_the_exporter(runtime: str) -> None:
     # A target runs artifacts with the runtimes package alone.
     sources = code_of([f"runtimes.loaders.{runtime}"])["sources"]
     assert sources and all(path.startswith("runtimes/") for path in sources), sources
+
+
+def test_eager_runs_on_the_kind_of_device_the_artifact_ran_on() -> None:
+    assert configured("backend=eager").eager_device({}) == "cpu"
+    assert configured("backend=aoti", "backend.device=cuda").eager_device({}) == "cuda"
+    # A wgpu adapter on the CPU (lavapipe), or on a GPU of a machine without CUDA.
+    webgpu = configured("backend=webgpu", "backend.device=gpu")
+    assert webgpu.eager_device({"adapter_type": "CPU"}) == "cpu"
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"
+    assert webgpu.eager_device({"adapter_type": "DiscreteGPU"}) == gpu
+
+
+def test_the_reference_runs_where_the_artifact_rounds_as_it_does() -> None:
+    assert configured("backend=eager").reference_device == "cpu"
+    assert configured("backend=aoti", "backend.device=cuda").reference_device == "cuda"
+    assert configured("backend=tensorrt").reference_device == "cuda"
+    # A WebGPU adapter computes in float32, rounded as the CPU rounds it, even on a GPU.
+    assert configured("backend=webgpu", "backend.device=gpu").reference_device == "cpu"

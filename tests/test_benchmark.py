@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporter.benchmark import eager_device, timing
+from exporter.benchmark import timing
 from runtimes import load
 
 
@@ -77,12 +77,3 @@ def test_percentiles_interpolate_between_ranks() -> None:
     timed = timing.Timing("cpu", samples, None, None)
     assert (timed.p10_ms, timed.median_ms, timed.p90_ms, timed.min_ms) == (2.0, 6.0, 10.0, 1.0)
     assert timing.Timing("cpu", (1.0, 2.0), None, None).p90_ms == pytest.approx(1.9)
-
-
-def test_eager_runs_on_the_kind_of_device_the_artifact_ran_on() -> None:
-    assert eager_device("cpu", {}) == "cpu"
-    assert eager_device("cuda", {}) == "cuda"
-    # A wgpu adapter on the CPU (lavapipe), or on a GPU of a machine without CUDA.
-    assert eager_device("auto", {"adapter_type": "CPU"}) == "cpu"
-    gpu = "cuda" if torch.cuda.is_available() else "cpu"
-    assert eager_device("gpu", {"adapter_type": "DiscreteGPU"}) == gpu

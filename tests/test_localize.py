@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 
-from exporter import config
+from exporter import backends, config
 from exporter.errors import ValidationFailed
 from exporter.job import stages
 from exporter.job.produced import Produced
@@ -48,7 +48,7 @@ def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
     record, produced = JobRecord(run_dir=run_dir), Produced()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        stages.run(job, produced, record, lambda *_: None)
+        stages.run(job, backends.configured(job), produced, record, lambda *_: None)
     except ValidationFailed as error:
         record.error = error
     produced.into(record)

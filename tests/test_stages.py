@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter import config
+from exporter import backends, config
 from exporter.job import stages
 from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
@@ -140,7 +140,7 @@ def stages_in_process(
     run_dir.mkdir(parents=True)
     produced = Produced()
     try:
-        stages.run(job, produced, JobRecord(run_dir=run_dir), notify)
+        stages.run(job, backends.configured(job), produced, JobRecord(run_dir=run_dir), notify)
     except (Exception, KeyboardInterrupt) as ended:
         return produced, ended
     return produced, None

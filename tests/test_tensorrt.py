@@ -200,9 +200,9 @@ def test_the_executorch_format_needs_the_data_dependent_fallback() -> None:
 )
 def test_each_output_format_has_its_file_and_runtime(output_format: str, file: str) -> None:
     job = job_of(f"backend.output_format={output_format}", "fallback=data_dependent")
-    output = tensorrt.output(job.backend)
+    output = tensorrt.BACKEND.output(job.backend)
     assert (output.file, output.runtime, output.device) == (file, "tensorrt", "cuda")
-    dry = tensorrt.output(job_of("backend.dryrun=true").backend)
+    dry = tensorrt.BACKEND.output(job_of("backend.dryrun=true").backend)
     assert (dry.file, dry.runtime) == (tensorrt.REPORT_FILE, None)
 
 

@@ -38,7 +38,7 @@ def lowered(out_dir: Path, *overrides: str) -> tuple[ModelBundle, Artifact]:
     job = composed(*overrides)
     bundle = models.build(job.model, job.dynamic)
     exported = export.run(bundle, job.export.on_failure, out_dir)
-    return bundle, backends.lower(exported, job, out_dir)
+    return bundle, backends.configured(job).lower(exported, out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_gpu_without_a_hardware_gpu_is_a_configuration_error() -> None:
     if any(found.kind != "CPU" for found in adapter.available()):
         pytest.skip("this machine has a hardware GPU")
     with pytest.raises(ConfigError, match="finds no adapter for device=gpu"):
-        backends.check_target(composed("model=mlp", "backend.device=gpu"))
+        backends.configured(composed("model=mlp", "backend.device=gpu")).check_target()
 
 
 MODELS = [kind.value for kind in ToyKind] + ["mlp", "llama"]

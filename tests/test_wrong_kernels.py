@@ -47,7 +47,7 @@ def lowered_gelu(tmp_path: Path, wrong_kernels: WrongKernels) -> tuple[float, Pa
     x = torch.linspace(-SPREAD, SPREAD, 8192).reshape(4, 2048)
     program = torch.export.export(TanhGelu(), (x,))
     fallback = FallbackConfig(policy=FallbackPolicy.auto, wrong_kernels=wrong_kernels)
-    artifact = executorch.lower(
+    artifact = executorch.BACKEND.lower(
         Exported(program, tmp_path / "program.pt2", ()),
         executorch.ExecutorchConfig(),
         fallback,

@@ -57,7 +57,7 @@ def test_llama_lowers_into_one_xnnpack_delegate_and_validates(llama, tmp_path: P
     bundle, exported = llama
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         job = config.to_job(compose("config", overrides=["backend=executorch"]))
-    artifact = backends.lower(exported, job, tmp_path)
+    artifact = backends.configured(job).lower(exported, tmp_path)
     partition = artifact.partition
     assert partition.delegates == 1
     # Left on the CPU: the embedding lookup and the positions (arange, their cast to float).

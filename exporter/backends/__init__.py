@@ -1,10 +1,12 @@
 """The lowering stage, and the registry of backends: every module of this package is one backend.
 
-A backend module declares (see `BackendModule`) its schema (a BackendConfig subclass holding the
-backend's name, defaults and devices), the runtime that loads its artifact, and the functions
-the stage calls. Everything else derives from those declarations: the config store registers
-each schema as `schema/backend/<name>` (conf/backend/<name>.yaml selects it), the stage finds the
-module by `backend.name`, and `runtimes.load` finds the runtime module by its name.
+A backend module declares one `Backend` (exporter/backends/common/declaration.py) as `BACKEND`:
+its schema, runtime, delegate, weights reader and half-precision losses, and the methods that
+check, key and lower. Everything else derives from that declaration: the config store registers
+each schema as `schema/backend/<name>` (conf/backend/<name>.yaml selects it), `configured(job)`
+binds the job's backend to its config and fallback policy for the stages, `runtimes.load` finds
+the runtime by its name, and the weights audit reads the artifact with the declared reader.
+`declared` refuses a module whose declaration lacks a part, naming the backend and the part.
 
 Composing a config imports every backend module, so a backend imports its toolchain (and
 torch) inside its functions, never at the top.
@@ -12,14 +14,19 @@ torch) inside its functions, never at the top.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import pkgutil
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING
 
+import runtimes
 from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.declaration import Backend
 from exporter.backends.common.partition import PARTITION_FILE, PartitionSummary, enforce
 from exporter.config import BackendConfig, FallbackConfig, JobConfig
 from exporter.errors import ConfigError
@@ -30,56 +37,23 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Artifact",
-    "BackendModule",
-    "adopt",
-    "check_fallback",
-    "check_target",
+    "Backend",
+    "ConfiguredBackend",
+    "InvalidDeclaration",
+    "Output",
+    "configured",
+    "declaration_of",
     "declared",
-    "half_precision",
-    "lower",
-    "lowered_in",
-    "makes_runnable",
     "names",
     "schemas",
-    "toolchain",
 ]
-
-
-class BackendModule(Protocol):
-    """What a module of this package declares."""
-
-    # The backend's config: `name` defaults to the module's name; its other defaults, its own
-    # settings and its `devices` are the backend's.
-    SCHEMA: type[BackendConfig]
-    # The module of the `runtimes` package that loads the artifact.
-    RUNTIME: str
-    # Its backend id in partition reports; None where nothing is delegated.
-    DELEGATE: str | None
-    # How the weights audit reads its artifact's weights: a key of exporter.audit.READERS (a
-    # format's reader, or one that says why the format cannot be read). Its `output` passes it on.
-    AUDIT: str
-    # Optional: by model dtype, a measured statement of where its artifacts lose precision that
-    # eager at that dtype does not, which a failed validation at that dtype quotes.
-    HALF_PRECISION: dict[str, str]
-
-    def output(self, backend: Any) -> Output:
-        """The file a config of it makes (with `runtime=None` for a report with nothing to run)."""
-
-    def check(self, backend: Any, fallback: FallbackConfig) -> None:
-        """Raises ConfigError where the two contradict, or this machine lacks what it needs."""
-
-    def toolchain(self, backend: Any) -> dict[str, str]:
-        """What shapes its artifact besides the project's code and Python libraries (a compiler,
-        a GPU): part of the lowering's cache key."""
-
-    def lower(
-        self, exported: Exported, backend: Any, fallback: FallbackConfig, out_dir: Path
-    ) -> Artifact:
-        """Writes the artifact into `out_dir`, mapping the fallback policy to its own controls."""
-
 
 # The package of what several backends share (exporter/backends/common/): not a backend.
 SHARED = "common"
+
+
+class InvalidDeclaration(TypeError):
+    """A backend module whose declaration lacks a part, or has one of the wrong kind."""
 
 
 @cache
@@ -88,77 +62,150 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != SHARED))
 
 
-def declared(name: str) -> BackendModule:
+@cache
+def declared(name: str) -> Backend:
     if name not in names():
         raise ConfigError(f"backend.name={name!r} is unknown; allowed: {', '.join(names())}.")
-    module: Any = importlib.import_module(f"{__name__}.{name}")
-    return module
+    return declaration_of(name, importlib.import_module(f"{__name__}.{name}"))
+
+
+def declaration_of(name: str, module: ModuleType) -> Backend:
+    """The module's `BACKEND`, once every part of it is there and of its kind; else
+    InvalidDeclaration naming the backend and each part it lacks."""
+    backend = getattr(module, "BACKEND", None)
+    if not isinstance(backend, Backend):
+        raise InvalidDeclaration(
+            f"backend {name}: {module.__name__} declares no BACKEND, an instance of "
+            "exporter.backends.common.declaration.Backend"
+        )
+    missing = _missing_parts(name, backend)
+    if missing:
+        raise InvalidDeclaration(f"backend {name}: {'; '.join(missing)}")
+    return backend
 
 
 def schemas() -> dict[str, type[BackendConfig]]:
-    return {name: declared(name).SCHEMA for name in names()}
+    return {name: declared(name).schema for name in names()}
 
 
-def check_target(job: JobConfig) -> None:
-    """Raises ConfigError, before any work, where the backend cannot run on this machine."""
-    declared(job.backend.name).check(job.backend, job.fallback)
-
-
-def toolchain(job: JobConfig) -> dict[str, str]:
-    return declared(job.backend.name).toolchain(job.backend)
-
-
-def half_precision(job: JobConfig) -> str | None:
-    """What the job's backend is known to lose at the model's dtype, if it declares it."""
-    return getattr(declared(job.backend.name), "HALF_PRECISION", {}).get(job.model.dtype.value)
-
-
-def makes_runnable(job: JobConfig) -> bool:
-    """Whether the job's backend, as configured, makes an artifact to run (not a report)."""
-    return declared(job.backend.name).output(job.backend).runtime is not None
-
-
-def lower(exported: Exported, job: JobConfig, out_dir: Path) -> Artifact:
-    """Writes the artifact file into `out_dir`, and partition.json where the backend partitions.
-
-    The policy's partitioning settings shape what is lowered; whether `strict` holds is judged
-    after, by `check_fallback`."""
-    artifact = declared(job.backend.name).lower(exported, job.backend, job.fallback, out_dir)
-    if artifact.partition:
-        write_json(out_dir / PARTITION_FILE, artifact.partition.to_json())
-    return artifact
-
-
-def lowered_in(folder: Path, job: JobConfig) -> Artifact:
-    """The artifact that `lower` wrote into `folder` (or a copy of that folder's files)."""
-    partition_path = folder / PARTITION_FILE
-    partition = (
-        PartitionSummary.from_json(json.loads(partition_path.read_text()))
-        if partition_path.exists()
-        else None
+def configured(job: JobConfig) -> ConfiguredBackend:
+    """The job's backend, bound to its settings, fallback policy and model dtype."""
+    return ConfiguredBackend(
+        declared(job.backend.name), job.backend, job.fallback, job.model.dtype.value
     )
-    output = declared(job.backend.name).output(job.backend)
-    return Artifact.at(folder / output.file, output, partition)
 
 
-def check_fallback(artifact: Artifact, job: JobConfig) -> None:
-    """Raises LoweringFailed where `fallback` forbids what the partitioner left outside."""
-    if artifact.partition:
-        enforce(artifact.partition, job.fallback, declared(job.backend.name).DELEGATE)
+@dataclasses.dataclass(frozen=True)
+class ConfiguredBackend:
+    """A backend's declaration with a job's settings: what the stages ask of the backend."""
 
+    declaration: Backend
+    config: BackendConfig
+    fallback: FallbackConfig
+    # The model's dtype (`model.dtype`).
+    dtype: str
 
-def adopt(path: Path, job: JobConfig) -> Artifact:
-    """A pre-built artifact (`artifact=PATH`) to validate as the backend's own output."""
-    output = declared(job.backend.name).output(job.backend)
-    expected = Path(output.file).suffix
-    if output.runtime is None:
-        raise ConfigError(
-            f"artifact={path}: backend={job.backend.name} with these settings makes a report, "
-            "not an artifact to run."
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    def check_target(self) -> None:
+        """Raises ConfigError, before any work, where the backend cannot run on this machine."""
+        self.declaration.check(self.config, self.fallback)
+
+    def toolchain(self) -> dict[str, str]:
+        return self.declaration.toolchain(self.config)
+
+    @property
+    def output(self) -> Output:
+        return self.declaration.output(self.config)
+
+    @property
+    def makes_runnable(self) -> bool:
+        """Whether the backend, as configured, makes an artifact to run (not a report)."""
+        return self.output.runtime is not None
+
+    @property
+    def half_precision(self) -> str | None:
+        """What the backend is known to lose at the model's dtype, if it declares it."""
+        return self.declaration.half_precision.get(self.dtype)
+
+    @property
+    def reference_device(self) -> str:
+        """Where eager PyTorch runs to measure the error the reference rule scales."""
+        return self.declaration.reference_device(self.config)
+
+    def eager_device(self, target: Mapping[str, str]) -> str:
+        """Where eager PyTorch runs to be timed beside the artifact, which ran on `target`."""
+        return self.declaration.eager_device(self.config, target)
+
+    def lower(self, exported: Exported, out_dir: Path) -> Artifact:
+        """Writes the artifact file into `out_dir`, and partition.json where the backend
+        partitions.
+
+        The policy's partitioning settings shape what is lowered; whether `strict` holds is
+        judged after, by `check_fallback`."""
+        artifact = self.declaration.lower(exported, self.config, self.fallback, out_dir)
+        if artifact.partition:
+            write_json(out_dir / PARTITION_FILE, artifact.partition.to_json())
+        return artifact
+
+    def lowered_in(self, folder: Path) -> Artifact:
+        """The artifact that `lower` wrote into `folder` (or a copy of that folder's files)."""
+        partition_path = folder / PARTITION_FILE
+        partition = (
+            PartitionSummary.from_json(json.loads(partition_path.read_text()))
+            if partition_path.exists()
+            else None
         )
-    if path.suffix != expected:
-        raise ConfigError(
-            f"artifact={path}: backend={job.backend.name} runs {expected} files, "
-            f"not {path.suffix!r}."
+        output = self.output
+        return Artifact.at(folder / output.file, output, partition)
+
+    def check_fallback(self, artifact: Artifact) -> None:
+        """Raises LoweringFailed where `fallback` forbids what the partitioner left outside."""
+        if artifact.partition:
+            enforce(artifact.partition, self.fallback, self.declaration.delegate)
+
+    def adopt(self, path: Path) -> Artifact:
+        """A pre-built artifact (`artifact=PATH`) to validate as the backend's own output."""
+        output = self.output
+        expected = Path(output.file).suffix
+        if output.runtime is None:
+            raise ConfigError(
+                f"artifact={path}: backend={self.name} with these settings makes a report, "
+                "not an artifact to run."
+            )
+        if path.suffix != expected:
+            raise ConfigError(
+                f"artifact={path}: backend={self.name} runs {expected} files, not {path.suffix!r}."
+            )
+        return Artifact.at(path, output, partition=None)
+
+
+def _missing_parts(name: str, backend: Backend) -> list[str]:
+    """What the declaration lacks, each said as what it must be."""
+    missing = []
+    schema = backend.schema
+    if not (isinstance(schema, type) and issubclass(schema, BackendConfig)):
+        missing.append(f"schema is {schema!r}, not a subclass of BackendConfig")
+    else:
+        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        if defaults["name"] != name:
+            missing.append(f"schema's name defaults to {defaults['name']!r}, not {name!r}")
+        if not all(isinstance(defaults[k], float) for k in ("atol", "rtol")):
+            missing.append("schema has no float defaults for atol and rtol")
+        if defaults["device"] not in schema.devices:
+            missing.append(f"schema's device {defaults['device']!r} is not among its devices")
+    if backend.runtime not in runtimes.names():
+        missing.append(
+            f"runtime {backend.runtime!r} is no loader of runtimes/loaders/ "
+            f"({', '.join(runtimes.names())})"
         )
-    return Artifact.at(path, output, partition=None)
+    if not (backend.delegate is None or isinstance(backend.delegate, str)):
+        missing.append(f"delegate is {backend.delegate!r}, neither a name nor None")
+    if not callable(backend.audit):
+        missing.append(f"audit is {backend.audit!r}, not a reader of exporter/audit/readers.py")
+    for method in ("output", "lower"):
+        if getattr(type(backend), method) is getattr(Backend, method):
+            missing.append(f"{type(backend).__name__} does not define {method}()")
+    return missing

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig
 from exporter.errors import ConfigError
 from exporter.files import atomic_path
@@ -37,63 +39,60 @@ class AotiConfig(BackendConfig):
     device: str = "cpu"
 
 
-SCHEMA = AotiConfig
-RUNTIME = "aoti"
-AUDIT = "aoti_package"
-DELEGATE = None
+class Aoti(Backend):
+    def check(self, config: AotiConfig, fallback: FallbackConfig) -> None:
+        from exporter.backends.common import torch_device
 
+        torch_device.require(config.device)
+        _compiler()
 
-def check(backend: AotiConfig, fallback: FallbackConfig) -> None:
-    from exporter.backends.common import torch_device
-
-    torch_device.require(backend.device)
-    _compiler()
-
-
-def output(backend: AotiConfig) -> Output:
-    return Output(file="model.pt2", runtime=RUNTIME, audit=AUDIT, device=backend.device)
-
-
-def toolchain(backend: AotiConfig) -> dict[str, str]:
-    from exporter.backends.common import torch_device
-
-    compiler = _compiler()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout.splitlines()
-    return {
-        "device": torch_device.describe(backend.device),
-        "compiler": version[0] if version else "",
-        # Where the package keeps the weights: it changes the artifact, so it is in the key.
-        "weights": ",".join(f"{k}={v}" for k, v in sorted(_inductor_configs().items())),
-    }
-
-
-def lower(
-    exported: Exported, backend: AotiConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    from torch._inductor import aoti_compile_and_package
-    from torch.export.passes import move_to_device_pass
-
-    from exporter.backends.common import torch_device
-
-    if fallback.ops or fallback.min_block_size > 1:
-        log.warning(
-            "[lower] backend=aoti compiles every op into the package; fallback.ops and "
-            "fallback.min_block_size do not apply to it"
+    def output(self, config: AotiConfig) -> Output:
+        return Output(
+            file="model.pt2", runtime=self.runtime, audit=self.audit, device=config.device
         )
-    log.info("[lower] AOTInductor: compiling for %s", torch_device.describe(backend.device))
-    progress.doing("AOTInductor compiles the program and packages it")
-    program = exported.program
-    if backend.device != "cpu":
-        program = move_to_device_pass(program, torch_device.indexed(backend.device))
-    target = output(backend)
-    path = out_dir / target.file
-    with atomic_path(path) as temporary:
-        aoti_compile_and_package(
-            program, package_path=str(temporary), inductor_configs=_inductor_configs()
-        )
-    return Artifact.at(path, target, partition=None)
+
+    def toolchain(self, config: AotiConfig) -> dict[str, str]:
+        from exporter.backends.common import torch_device
+
+        compiler = _compiler()
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=False
+        ).stdout.splitlines()
+        return {
+            "device": torch_device.describe(config.device),
+            "compiler": version[0] if version else "",
+            # Where the package keeps the weights: it changes the artifact, so it is in the key.
+            "weights": ",".join(f"{k}={v}" for k, v in sorted(_inductor_configs().items())),
+        }
+
+    def lower(
+        self, exported: Exported, config: AotiConfig, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        from torch._inductor import aoti_compile_and_package
+        from torch.export.passes import move_to_device_pass
+
+        from exporter.backends.common import torch_device
+
+        if fallback.ops or fallback.min_block_size > 1:
+            log.warning(
+                "[lower] backend=aoti compiles every op into the package; fallback.ops and "
+                "fallback.min_block_size do not apply to it"
+            )
+        log.info("[lower] AOTInductor: compiling for %s", torch_device.describe(config.device))
+        progress.doing("AOTInductor compiles the program and packages it")
+        program = exported.program
+        if config.device != "cpu":
+            program = move_to_device_pass(program, torch_device.indexed(config.device))
+        target = self.output(config)
+        path = out_dir / target.file
+        with atomic_path(path) as temporary:
+            aoti_compile_and_package(
+                program, package_path=str(temporary), inductor_configs=_inductor_configs()
+            )
+        return Artifact.at(path, target, partition=None)
+
+
+BACKEND = Aoti(schema=AotiConfig, runtime="aoti", delegate=None, audit=readers.aoti_package)
 
 
 def _inductor_configs() -> dict[str, object]:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig
 
 if TYPE_CHECKING:
@@ -30,38 +32,32 @@ class EagerConfig(BackendConfig):
     device: str = "cpu"
 
 
-SCHEMA = EagerConfig
-RUNTIME = "eager"
-AUDIT = "exported_program"
-DELEGATE = None
+class Eager(Backend):
+    def check(self, config: EagerConfig, fallback: FallbackConfig) -> None:
+        from exporter.backends.common import torch_device
+
+        torch_device.require(config.device)
+
+    def output(self, config: EagerConfig) -> Output:
+        from exporter.export import PROGRAM_FILE
+
+        return Output(
+            file=PROGRAM_FILE, runtime=self.runtime, audit=self.audit, device=config.device
+        )
+
+    def lower(
+        self, exported: Exported, config: EagerConfig, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        # Nothing to lower and nothing to fall back from: every node runs in PyTorch, so every
+        # fallback policy holds. Its toolchain is none: the artifact is the exported program,
+        # whatever the device.
+        log.info("[lower] eager: the exported program is the artifact")
+        if not exported.path.exists():
+            # A program made in memory (a part that localization cut) is saved where it says.
+            import torch
+
+            torch.export.save(exported.program, exported.path)
+        return Artifact.at(exported.path, self.output(config), partition=None)
 
 
-def check(backend: EagerConfig, fallback: FallbackConfig) -> None:
-    from exporter.backends.common import torch_device
-
-    torch_device.require(backend.device)
-
-
-def output(backend: EagerConfig) -> Output:
-    from exporter.export import PROGRAM_FILE
-
-    return Output(file=PROGRAM_FILE, runtime=RUNTIME, audit=AUDIT, device=backend.device)
-
-
-def toolchain(backend: EagerConfig) -> dict[str, str]:
-    # The artifact is the exported program, whatever the device.
-    return {}
-
-
-def lower(
-    exported: Exported, backend: EagerConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    # Nothing to lower and nothing to fall back from: every node runs in PyTorch, so every
-    # fallback policy holds.
-    log.info("[lower] eager: the exported program is the artifact")
-    if not exported.path.exists():
-        # A program made in memory (a part that localization cut) is saved where it says.
-        import torch
-
-        torch.export.save(exported.program, exported.path)
-    return Artifact.at(exported.path, output(backend), partition=None)
+BACKEND = Eager(schema=EagerConfig, runtime="eager", delegate=None, audit=readers.exported_program)

@@ -24,8 +24,10 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
 from exporter.backends.common.debug_log import captured
+from exporter.backends.common.declaration import Backend
 from exporter.backends.common.partition import (
     DELEGATED,
     SMALL_BLOCK,
@@ -91,9 +93,6 @@ class TensorrtConfig(BackendConfig):
             )
 
 
-SCHEMA = TensorrtConfig
-RUNTIME = "tensorrt"
-AUDIT = "tensorrt_engine"
 DELEGATE = "TensorRT"
 # Where the nodes outside every engine run.
 OUTSIDE = "pytorch"
@@ -140,33 +139,105 @@ _HEADER = "Dry-Run Results for Graph"
 _DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
 
 
-def output(backend: TensorrtConfig) -> Output:
-    if backend.dryrun:
-        return Output(file=REPORT_FILE, runtime=None, audit=AUDIT, device="cuda")
-    return Output(file=_FILES[backend.output_format], runtime=RUNTIME, audit=AUDIT, device="cuda")
+class Tensorrt(Backend):
+    def output(self, config: TensorrtConfig) -> Output:
+        if config.dryrun:
+            return Output(file=REPORT_FILE, runtime=None, audit=self.audit, device="cuda")
+        return Output(
+            file=_FILES[config.output_format],
+            runtime=self.runtime,
+            audit=self.audit,
+            device="cuda",
+        )
 
+    def check(self, config: TensorrtConfig, fallback: FallbackConfig) -> None:
+        """Contradictions first (they need nothing installed), then torch-tensorrt and TensorRT,
+        the settings against the installed CompilationSettings, and a CUDA device."""
+        from exporter.backends.common import torch_device
 
-def check(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
-    """Contradictions first (they need nothing installed), then torch-tensorrt and TensorRT,
-    the settings against the installed CompilationSettings, and a CUDA device."""
-    from exporter.backends.common import torch_device
+        check_policy(config, fallback)
+        torch_tensorrt = _import_torch_tensorrt()
+        compile_settings(config, fallback, settings_fields(), torch_tensorrt.__version__)
+        torch_device.require("cuda")
 
-    check_policy(backend, fallback)
-    torch_tensorrt = _import_torch_tensorrt()
-    compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
-    torch_device.require("cuda")
+    def toolchain(self, config: TensorrtConfig) -> dict[str, str]:
+        import tensorrt
 
+        from exporter.backends.common import torch_device
 
-def toolchain(backend: TensorrtConfig) -> dict[str, str]:
-    import tensorrt
+        return {
+            "torch_tensorrt": importlib.metadata.version("torch-tensorrt"),
+            "tensorrt": tensorrt.__version__,
+            "device": torch_device.describe("cuda"),
+        }
 
-    from exporter.backends.common import torch_device
+    def lower(
+        self, exported: Exported, config: TensorrtConfig, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        import torch_tensorrt
+        from torch.export.passes import move_to_device_pass
 
-    return {
-        "torch_tensorrt": importlib.metadata.version("torch-tensorrt"),
-        "tensorrt": tensorrt.__version__,
-        "device": torch_device.describe("cuda"),
-    }
+        from exporter.backends.common import torch_device
+
+        settings = compile_settings(config, fallback, settings_fields(), torch_tensorrt.__version__)
+        inputs = [trt_input(profile) for profile in exported.inputs]
+        report = out_dir / REPORT_FILE
+        log.info(
+            "[lower] TensorRT: torch_tensorrt.dynamo.compile%s with %s",
+            " (dry run)" if config.dryrun else "",
+            ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
+        )
+        program = move_to_device_pass(exported.program, torch_device.indexed("cuda"))
+        # Without a dry run, torch-tensorrt logs its partition report at DEBUG only.
+        logged: list[str] = []
+
+        def keep_report(record: logging.LogRecord) -> None:
+            if _HEADER in record.getMessage():
+                logged.append(record.getMessage())
+
+        with captured(_DRYRUN_LOGGER, keep_report):
+            try:
+                compiled = torch_tensorrt.dynamo.compile(
+                    program,
+                    arg_inputs=inputs,
+                    dryrun=str(report) if config.dryrun else False,
+                    **settings,
+                )
+            except AssertionError as error:
+                if "require_full_compilation" not in str(error):
+                    raise
+                raise LoweringFailed(
+                    f"fallback=strict: TensorRT cannot run the whole program ({error}). Run "
+                    "backend.dryrun=true to see which ops stay outside, or use fallback=auto."
+                ) from error
+        if not config.dryrun and logged:
+            report.write_text(logged[-1])
+        partition = None
+        if report.exists():
+            partition = partition_of(report.read_text(), fallback, _data_dependent_ops(program))
+            log.info("[lower] %s", partition.describe())
+        else:
+            log.warning("[lower] torch-tensorrt gave no partition report (no op it could convert?)")
+        target = self.output(config)
+        if config.dryrun:
+            return Artifact.at(report, target, partition)
+        path = out_dir / target.file
+        # out_dir is a staging folder nobody reads before lowering returns, so save writes in place
+        # (the executorch format writes one .pte holding the program and the engines as data).
+        extra = (
+            {"pickle_protocol": 4}
+            if config.output_format is TensorrtOutputFormat.exported_program
+            else {}
+        )
+        torch_tensorrt.save(
+            compiled,
+            str(path),
+            output_format=config.output_format.value,
+            arg_inputs=inputs,
+            retrace=True,
+            **extra,
+        )
+        return Artifact.at(path, target, partition)
 
 
 def check_policy(backend: TensorrtConfig, fallback: FallbackConfig) -> None:
@@ -255,75 +326,6 @@ def trt_input(profile: InputProfile) -> Any:
     )
 
 
-def lower(
-    exported: Exported, backend: TensorrtConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    import torch_tensorrt
-    from torch.export.passes import move_to_device_pass
-
-    from exporter.backends.common import torch_device
-
-    settings = compile_settings(backend, fallback, settings_fields(), torch_tensorrt.__version__)
-    inputs = [trt_input(profile) for profile in exported.inputs]
-    report = out_dir / REPORT_FILE
-    log.info(
-        "[lower] TensorRT: torch_tensorrt.dynamo.compile%s with %s",
-        " (dry run)" if backend.dryrun else "",
-        ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
-    )
-    program = move_to_device_pass(exported.program, torch_device.indexed("cuda"))
-    # Without a dry run, torch-tensorrt logs its partition report at DEBUG only.
-    logged: list[str] = []
-
-    def keep_report(record: logging.LogRecord) -> None:
-        if _HEADER in record.getMessage():
-            logged.append(record.getMessage())
-
-    with captured(_DRYRUN_LOGGER, keep_report):
-        try:
-            compiled = torch_tensorrt.dynamo.compile(
-                program,
-                arg_inputs=inputs,
-                dryrun=str(report) if backend.dryrun else False,
-                **settings,
-            )
-        except AssertionError as error:
-            if "require_full_compilation" not in str(error):
-                raise
-            raise LoweringFailed(
-                f"fallback=strict: TensorRT cannot run the whole program ({error}). Run "
-                "backend.dryrun=true to see which ops stay outside, or use fallback=auto."
-            ) from error
-    if not backend.dryrun and logged:
-        report.write_text(logged[-1])
-    partition = None
-    if report.exists():
-        partition = partition_of(report.read_text(), fallback, _data_dependent_ops(program))
-        log.info("[lower] %s", partition.describe())
-    else:
-        log.warning("[lower] torch-tensorrt gave no partition report (no op it could convert?)")
-    target = output(backend)
-    if backend.dryrun:
-        return Artifact.at(report, target, partition)
-    path = out_dir / target.file
-    # out_dir is a staging folder nobody reads before lowering returns, so save writes in place
-    # (the executorch format writes one .pte holding the program and the engines as data).
-    extra = (
-        {"pickle_protocol": 4}
-        if backend.output_format is TensorrtOutputFormat.exported_program
-        else {}
-    )
-    torch_tensorrt.save(
-        compiled,
-        str(path),
-        output_format=backend.output_format.value,
-        arg_inputs=inputs,
-        retrace=True,
-        **extra,
-    )
-    return Artifact.at(path, target, partition)
-
-
 def partition_of(
     report: str, fallback: FallbackConfig, data_dependent_ops: Collection[str]
 ) -> PartitionSummary:
@@ -358,6 +360,14 @@ def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
     from exporter.backends.common.policy import makes_data_dependent_shape, op_name
 
     return {op_name(node) for node in program.graph.nodes if makes_data_dependent_shape(node)}
+
+
+BACKEND = Tensorrt(
+    schema=TensorrtConfig,
+    runtime="tensorrt",
+    delegate=DELEGATE,
+    audit=readers.tensorrt_engine,
+)
 
 
 def _import_torch_tensorrt() -> Any:

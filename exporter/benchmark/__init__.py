@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Benchmark", "ShapeLatency", "Subject", "eager_device", "run", "thread_count"]
+__all__ = ["Benchmark", "ShapeLatency", "Subject", "run", "thread_count"]
 
 
 @dataclass(frozen=True)
@@ -102,15 +102,6 @@ class Benchmark:
 def thread_count(settings: BenchmarkConfig) -> int:
     """`benchmark.threads`, or every core this process may run on."""
     return settings.threads or len(os.sched_getaffinity(0))
-
-
-def eager_device(backend_device: str, target: Mapping[str, str]) -> str:
-    """The torch device that matches the artifact's: its own where it is one, CUDA for a wgpu
-    adapter on a GPU of a machine that has CUDA, else the CPU."""
-    if backend_device in ("cpu", "cuda"):
-        return backend_device
-    on_gpu = target.get("adapter_type", "CPU") != "CPU"
-    return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
 
 
 def run(

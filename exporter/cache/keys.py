@@ -15,7 +15,6 @@ from typing import Any
 from exporter import backends, models
 from exporter.cache.fingerprint import code_of
 from exporter.config import BackendConfig, JobConfig
-from exporter.validate.reference import reference_device
 from runtimes.verdict.shapes import LiveShape
 
 
@@ -49,7 +48,7 @@ def goldens(
         "model": model_material,
         "shapes": shapes,
         "seed": job.validate.seed,
-        "reference_device": reference_device(job),
+        "reference_device": backends.configured(job).reference_device,
         "code": code_of(["exporter.validate.goldens"]),
     }
 
@@ -61,7 +60,7 @@ def lower(job: JobConfig, export_material: dict[str, Any]) -> dict[str, Any]:
         "export": export_material,
         "backend": job.backend.name,
         "settings": _lowering_settings(job.backend),
-        "toolchain": backends.toolchain(job),
+        "toolchain": backends.configured(job).toolchain(),
         "fallback": job.fallback.partitioning(),
         "code": code_of([f"exporter.backends.{job.backend.name}"]),
     }

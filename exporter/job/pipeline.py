@@ -39,7 +39,9 @@ def run(
     store = run_id = None
     try:
         with stage(record, "config", notify):
-            backends.check_target(job)
+            # Resolved once: the stages are handed it.
+            backend = backends.configured(job)
+            backend.check_target()
         # Seconds of their own (opening a new SQLite store, importing torch): a stage, so that
         # the job's time is all in its stages.
         with stage(record, "startup", notify):
@@ -57,7 +59,7 @@ def run(
             progress.doing("loading torch and the stages' libraries")
             from exporter.job import stages
 
-        stages.run(job, produced, record, notify)
+        stages.run(job, backend, produced, record, notify)
     except ExporterError as error:
         record.error = error
         log.error("[%s] %s", error.stage, error)

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from exporter import audit, backends, benchmark, config, export, localize, models, validate
-from exporter.backends import Artifact
+from exporter import audit, benchmark, config, export, localize, models, validate
+from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
 from exporter.errors import RuntimeFailed, ValidationFailed
@@ -43,7 +43,6 @@ from exporter.process import memory, progress
 from exporter.tracking.record import JobRecord
 from exporter.validate import goldens
 from exporter.validate.plan import plan
-from exporter.validate.reference import reference_device
 from runtimes import Loaded
 from runtimes import load as load_runtime
 from runtimes.files import PARTIAL_PREFIX
@@ -140,21 +139,34 @@ class _Store:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def run(job: config.JobConfig, produced: Produced, record: JobRecord, notify: Notify) -> None:
+def run(
+    job: config.JobConfig,
+    backend: ConfiguredBackend,
+    produced: Produced,
+    record: JobRecord,
+    notify: Notify,
+) -> None:
     """The stages in the order they run, each handed the values of the ones before, each value
-    kept in `produced` as it comes. `record` is the frame's: the stages' timings.
+    kept in `produced` as it comes; `backend` is the job's, resolved once by the frame. `record`
+    is the frame's: the stages' timings.
 
     report.json is written from the values: when validation's verdict is known, and once more
     at the end where the stages after it (localize, repair, benchmark) added to it, so that a
     job that one of them crashes or stops keeps the verdict."""
     try:
-        _run(job, produced, record, notify)
+        _run(job, backend, produced, record, notify)
     finally:
         if produced.report and (produced.localization or produced.repair or produced.benchmark):
             _write_report(record.run_dir, produced)
 
 
-def _run(job: config.JobConfig, produced: Produced, record: JobRecord, notify: Notify) -> None:
+def _run(
+    job: config.JobConfig,
+    backend: ConfiguredBackend,
+    produced: Produced,
+    record: JobRecord,
+    notify: Notify,
+) -> None:
     def timed(name: str) -> contextlib.AbstractContextManager[None]:
         return stage(record, name, notify)
 
@@ -177,22 +189,22 @@ def _run(job: config.JobConfig, produced: Produced, record: JobRecord, notify: N
                 raise
             produced.diagnosis = program.diagnosis
     expected = None
-    if backends.makes_runnable(job):
+    if backend.makes_runnable:
         # Before lowering: the oracle and eager's reference run on the module, which then goes,
         # so no stage holds both the model and its exported program.
         with timed("goldens"):
-            expected = _goldens(bundle, model_material, job, reference_device(job), store)
+            expected = _goldens(bundle, model_material, job, backend.reference_device, store)
     # A given artifact's constants are audited against the model's own weights.
     weights = models.weights(bundle.module) if program is None else {}
     del bundle
     memory.release_freed()
     memory.spare_survivors()
     if program is None:
-        lowered = Lowered(backends.adopt(Path(job.artifact), job), weights)
+        lowered = Lowered(backend.adopt(Path(job.artifact)), weights)
         log.info("[lower] skipped: validating the given artifact %s", lowered.artifact.path)
     else:
         with timed("lower"):
-            lowered = _lower(program, job, store)
+            lowered = _lower(program, job, backend, store)
         memory.release_freed()
         memory.spare_survivors()
     produced.artifact = lowered.artifact
@@ -210,22 +222,24 @@ def _run(job: config.JobConfig, produced: Produced, record: JobRecord, notify: N
         with timed("localize"):
             lowered_now = _lowered_now(job, produced.cache, record.seconds.get("lower"))
             produced.localization = _localize(
-                job, program, produced.report, expected, record.run_dir, lowered_now
+                job, backend, program, produced.report, expected, record.run_dir, lowered_now
             )
         log.info("[localize] %s", "\n".join(produced.localization.lines()))
     if not produced.passed:
-        produced.repair = _repair_or_fail(job, produced)
+        produced.repair = _repair_or_fail(job, backend, produced)
         # What the search found is the first artifact's; it stays in the repair's record.
         produced.localization = None
         with timed("repair"):
             assert program is not None
-            lowered = _repaired(job, program, expected, produced, record, store)
-        _repair_verdict(job, produced)
+            lowered = _repaired(job, backend, program, expected, produced, record, store)
+        _repair_verdict(backend, produced)
     log.info("[validate] passed at all %d live shapes", len(produced.report.shapes))
     if job.benchmark.enabled:
         with timed("benchmark"):
             target = produced.report.target
-            produced.benchmark = _benchmark(job, lowered.artifact, program, expected, target)
+            produced.benchmark = _benchmark(
+                job, backend, lowered.artifact, program, expected, target
+            )
         log.info(
             "[benchmark] latency (%s):\n%s",
             record.run_dir / REPORT_FILE,
@@ -300,18 +314,20 @@ def _tolerances(job: config.JobConfig) -> validate.Tolerances:
     )
 
 
-def _lower(program: ProgramFile, job: config.JobConfig, store: _Store) -> Lowered:
-    """The program, loaded now with weights of its own, lowered to the job's backend and linked
-    into the run dir; with the program's weights for the audit."""
+def _lower(
+    program: ProgramFile, job: config.JobConfig, backend: ConfiguredBackend, store: _Store
+) -> Lowered:
+    """The program, loaded now with weights of its own, lowered to `backend` and linked into
+    the run dir; with the program's weights for the audit. `job` keys the cache's entry."""
     exported = program.load()
     # Taken before lowering, which may change the program.
     weights = {**exported.program.state_dict, **exported.program.constants}
     material = cache_keys.lower(job, program.material)
-    with store.built("lower", material, lambda out: backends.lower(exported, job, out)) as folder:
+    with store.built("lower", material, lambda out: backend.lower(exported, out)) as folder:
         # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
-        backends.check_fallback(backends.lowered_in(folder, job), job)
+        backend.check_fallback(backend.lowered_in(folder))
         link_files(folder, store.run_dir)
-    return Lowered(backends.lowered_in(store.run_dir, job), weights)
+    return Lowered(backend.lowered_in(store.run_dir), weights)
 
 
 def _validate(lowered: Lowered, expected: Expected, produced: Produced, run_dir: Path) -> None:
@@ -372,7 +388,9 @@ def _bundle(
     return written
 
 
-def _repair_or_fail(job: config.JobConfig, produced: Produced) -> repair.Repair:
+def _repair_or_fail(
+    job: config.JobConfig, backend: ConfiguredBackend, produced: Produced
+) -> repair.Repair:
     """A failed validation's repair: the override that keeps the diverging op out of the
     delegate, where the search found one and validate.repair=auto asks for it; otherwise the
     job fails with validation's message."""
@@ -384,7 +402,7 @@ def _repair_or_fail(job: config.JobConfig, produced: Produced) -> repair.Repair:
         if produced.weights_audit.passed
         else None
     )
-    message = _failure_message(produced, keep_out, backends.half_precision(job))
+    message = _failure_message(produced, keep_out, backend.half_precision)
     if keep_out is None or job.validate.repair is config.RepairMode.off:
         raise ValidationFailed(message)
     log.warning("[validate] %s", message)
@@ -395,6 +413,7 @@ def _repair_or_fail(job: config.JobConfig, produced: Produced) -> repair.Repair:
 
 def _repaired(
     job: config.JobConfig,
+    backend: ConfiguredBackend,
     program: ProgramFile,
     expected: Expected,
     produced: Produced,
@@ -407,7 +426,8 @@ def _repaired(
     keep_out = produced.repair.keep_out
     log.info("[repair] lowering again with %s", keep_out.override)
     repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
-    lowered = _lower(program, repaired_job, store)
+    repaired_backend = dataclasses.replace(backend, fallback=keep_out.fallback)
+    lowered = _lower(program, repaired_job, repaired_backend, store)
     produced.artifact = lowered.artifact
     if job.bundle:
         produced.bundle = _bundle(job, record, lowered.artifact, expected)
@@ -415,14 +435,14 @@ def _repaired(
     return lowered
 
 
-def _repair_verdict(job: config.JobConfig, produced: Produced) -> None:
+def _repair_verdict(backend: ConfiguredBackend, produced: Produced) -> None:
     """The repaired artifact's verdict, kept in the repair's record: the job fails where it
     fails too."""
     assert produced.repair is not None and produced.report is not None
     found = produced.repair
     found.passed = produced.passed
     if not found.passed:
-        repaired_failure = _failure_message(produced, None, backends.half_precision(job))
+        repaired_failure = _failure_message(produced, None, backend.half_precision)
         raise ValidationFailed(
             f"validate.repair=auto lowered again with {found.keep_out.override}, and that "
             f"artifact fails too: {repaired_failure} The first artifact: {found.first_failure}"
@@ -436,6 +456,7 @@ def _repair_verdict(job: config.JobConfig, produced: Produced) -> None:
 
 def _benchmark(
     job: config.JobConfig,
+    backend: ConfiguredBackend,
     artifact: Artifact,
     program: ProgramFile | None,
     expected: Expected,
@@ -447,7 +468,7 @@ def _benchmark(
         expected.shapes,
         lambda shape: expected.goldens.cases[label(shape)][0],
         benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact)),
-        _eager(program, job, target),
+        _eager(program, backend, target),
         job.benchmark,
     )
 
@@ -537,6 +558,7 @@ def _localizes(mode: config.LocalizeMode, report: validate.Report) -> bool:
 
 def _localize(
     job: config.JobConfig,
+    backend: ConfiguredBackend,
     program: ProgramFile | None,
     report: validate.Report,
     expected: Expected,
@@ -561,7 +583,7 @@ def _localize(
             # The part is in memory only: its path is where a backend that ships the program
             # itself (eager) saves it.
             part_program = Exported(part, folder / export.PROGRAM_FILE, exported.inputs)
-            artifact = backends.lower(part_program, job, folder)
+            artifact = backend.lower(part_program, folder)
             return lambda: load_runtime(artifact.path, artifact.runtime, artifact.device)
 
         def fails(outputs: Sequence[torch.Tensor]) -> bool:
@@ -637,13 +659,13 @@ def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:
 
 
 def _eager(
-    program: ProgramFile | None, job: config.JobConfig, target: Mapping[str, str]
+    program: ProgramFile | None, backend: ConfiguredBackend, target: Mapping[str, str]
 ) -> benchmark.Subject | None:
     """Eager PyTorch to time beside the artifact: the job's exported program, on the device
     that matches the artifact's; None where the job validated a given artifact and exported
     nothing."""
     if program is None:
         return None
-    device = benchmark.eager_device(job.backend.device, target)
+    device = backend.eager_device(target)
     path = program.path
     return benchmark.Subject("eager", device, lambda: load_runtime(path, "eager", device))

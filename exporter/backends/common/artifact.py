@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exporter.backends.common.partition import PartitionSummary
+
+if TYPE_CHECKING:
+    from exporter.audit.readers import WeightsReader
 
 
 @dataclass(frozen=True)
@@ -18,9 +22,8 @@ class Output:
     # to run (a dry run).
     runtime: str | None
     device: str
-    # How the weights audit reads the file's weights: a key of exporter.audit.READERS (the
-    # backend's AUDIT declaration).
-    audit: str
+    # How the weights audit reads the file's weights (the backend's declared reader).
+    audit: WeightsReader
     # A file of the artifact's data (weights) that must lie beside `file`, where the runtime
     # loads it from (ExecuTorch's model.ptd); None where `file` holds everything. A model without
     # weights may leave it unwritten.
@@ -33,7 +36,7 @@ class Artifact:
     runtime: str | None
     device: str
     # The weights audit's reader of `path` (Output.audit).
-    audit: str
+    audit: WeightsReader
     # None where the backend runs everything itself, or the artifact came pre-built.
     partition: PartitionSummary | None
     # The data file beside `path`, named after it as the runtime looks for it (a pre-built

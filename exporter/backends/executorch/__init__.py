@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig, WrongKernels
 
 if TYPE_CHECKING:
@@ -32,10 +34,6 @@ class ExecutorchConfig(BackendConfig):
     external_weights: bool = False
 
 
-SCHEMA = ExecutorchConfig
-RUNTIME = "executorch"
-AUDIT = "pte"
-DELEGATE = "XNNPACK"
 # How its artifacts compute at a half dtype where that costs precision eager does not lose,
 # as measured by bench/half_accumulation.py; a half-precision failure's message says it.
 HALF_PRECISION = {
@@ -53,47 +51,51 @@ HALF_PRECISION = {
 }
 
 
-def check(backend: ExecutorchConfig, fallback: FallbackConfig) -> None:
-    """ExecuTorch itself is one of the project's dependencies; XNNPACK is its CPU delegate."""
+class Executorch(Backend):
+    """ExecuTorch itself is one of the project's dependencies and XNNPACK is its CPU delegate:
+    nothing to check; its version is among the libraries its lowering code imports, so no
+    toolchain besides."""
+
+    def output(self, config: ExecutorchConfig) -> Output:
+        return Output(
+            file="model.pte",
+            runtime=self.runtime,
+            audit=self.audit,
+            device="cpu",
+            data_file="model.ptd" if config.external_weights else None,
+        )
+
+    def lower(
+        self, exported: Exported, config: ExecutorchConfig, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
+        from exporter.backends.common.xnnpack_rewrites import (
+            ViewsForXnnpack,
+            for_xnnpack,
+            without_wrong_kernels,
+        )
+        from exporter.backends.executorch.xnnpack_partitioner import PolicyPartitioner
+
+        partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
+        program = for_xnnpack(exported.program)
+        avoided = ()
+        if fallback.wrong_kernels is WrongKernels.avoid:
+            program, avoided = without_wrong_kernels(program)
+        return lowered_to_pte(
+            replace(exported, program=program),
+            partitioner,
+            partitioner.why_on_cpu,
+            self.output(config),
+            out_dir,
+            edge_passes=[ViewsForXnnpack()],
+            wrong_kernels_avoided=avoided,
+        )
 
 
-def output(backend: ExecutorchConfig) -> Output:
-    return Output(
-        file="model.pte",
-        runtime=RUNTIME,
-        audit=AUDIT,
-        device="cpu",
-        data_file="model.ptd" if backend.external_weights else None,
-    )
-
-
-def toolchain(backend: ExecutorchConfig) -> dict[str, str]:
-    # ExecuTorch's version is among the libraries its lowering code imports.
-    return {}
-
-
-def lower(
-    exported: Exported, backend: ExecutorchConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
-    from exporter.backends.common.xnnpack_rewrites import (
-        ViewsForXnnpack,
-        for_xnnpack,
-        without_wrong_kernels,
-    )
-    from exporter.backends.executorch.xnnpack_partitioner import PolicyPartitioner
-
-    partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
-    program = for_xnnpack(exported.program)
-    avoided = ()
-    if fallback.wrong_kernels is WrongKernels.avoid:
-        program, avoided = without_wrong_kernels(program)
-    return lowered_to_pte(
-        replace(exported, program=program),
-        partitioner,
-        partitioner.why_on_cpu,
-        output(backend),
-        out_dir,
-        edge_passes=[ViewsForXnnpack()],
-        wrong_kernels_avoided=avoided,
-    )
+BACKEND = Executorch(
+    schema=ExecutorchConfig,
+    runtime="executorch",
+    delegate="XNNPACK",
+    audit=readers.pte,
+    half_precision=HALF_PRECISION,
+)

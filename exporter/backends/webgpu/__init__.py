@@ -8,11 +8,14 @@ ExecuTorch is imported by `lower` only: a target that validates a .pte built els
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
+from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig, ModelDtype
 from exporter.errors import ConfigError
 
@@ -35,10 +38,6 @@ class WebgpuConfig(BackendConfig):
     device: str = "auto"
 
 
-SCHEMA = WebgpuConfig
-RUNTIME = "webgpu"
-AUDIT = "pte"
-DELEGATE = "VulkanBackend"
 # The rewrites of exporter/backends/common/xnnpack_rewrites.py that keep more of a transformers
 # model on the GPU: the causal mask built from positions, attention as bmm and softmax (SDPA's
 # decomposition and the boolean mask stay on the CPU otherwise) and rotate_half as a linear.
@@ -46,44 +45,56 @@ DELEGATE = "VulkanBackend"
 WEBGPU_REWRITES = ("attention", "rotations", "aliases")
 
 
-def check(backend: WebgpuConfig, fallback: FallbackConfig) -> None:
-    try:
-        from runtimes.loaders.webgpu import adapter
-    except ImportError as error:
-        raise ConfigError(
-            f"backend=webgpu runs on wgpu, which cannot be imported here ({error}): "
-            "pip install wgpu"
-        ) from error
-    try:
-        adapter.choose(backend.device)
-    except adapter.NoAdapter as error:
-        # A machine without the GPU asked for is the user's news, not a bug: no traceback.
-        raise ConfigError(f"backend=webgpu backend.device={backend.device}: {error}") from None
+class Webgpu(Backend):
+    def check(self, config: WebgpuConfig, fallback: FallbackConfig) -> None:
+        try:
+            from runtimes.loaders.webgpu import adapter
+        except ImportError as error:
+            raise ConfigError(
+                f"backend=webgpu runs on wgpu, which cannot be imported here ({error}): "
+                "pip install wgpu"
+            ) from error
+        try:
+            adapter.choose(config.device)
+        except adapter.NoAdapter as error:
+            # A machine without the GPU asked for is the user's news, not a bug: no traceback.
+            raise ConfigError(f"backend=webgpu backend.device={config.device}: {error}") from None
+
+    def output(self, config: WebgpuConfig) -> Output:
+        return Output(
+            file="model.pte", runtime=self.runtime, audit=self.audit, device=config.device
+        )
+
+    def lower(
+        self, exported: Exported, config: WebgpuConfig, fallback: FallbackConfig, out_dir: Path
+    ) -> Artifact:
+        # The lowering is the same whichever adapter will run it (no toolchain), and
+        # ExecuTorch's version is among the libraries its lowering code imports.
+        from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
+        from exporter.backends.common.xnnpack_rewrites import rewritten
+        from exporter.backends.webgpu.partitioner import PolicyPartitioner
+
+        partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
+        program = rewritten(exported.program, WEBGPU_REWRITES)
+        return lowered_to_pte(
+            replace(exported, program=program),
+            partitioner,
+            partitioner.why_on_cpu,
+            self.output(config),
+            out_dir,
+        )
+
+    def reference_device(self, config: WebgpuConfig) -> str:
+        # A WebGPU adapter computes in float32 only, where the CPU's rounding is the model's.
+        return "cpu"
+
+    def eager_device(self, config: WebgpuConfig, target: Mapping[str, str]) -> str:
+        # `device` is a wgpu adapter choice, not torch's: eager runs on CUDA where the adapter
+        # was a GPU of a machine that has CUDA, else on the CPU.
+        import torch
+
+        on_gpu = target.get("adapter_type", "CPU") != "CPU"
+        return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
 
 
-def output(backend: WebgpuConfig) -> Output:
-    return Output(file="model.pte", runtime=RUNTIME, audit=AUDIT, device=backend.device)
-
-
-def toolchain(backend: WebgpuConfig) -> dict[str, str]:
-    # The lowering is the same whichever adapter will run it, and ExecuTorch's version is among
-    # the libraries its lowering code imports.
-    return {}
-
-
-def lower(
-    exported: Exported, backend: WebgpuConfig, fallback: FallbackConfig, out_dir: Path
-) -> Artifact:
-    from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
-    from exporter.backends.common.xnnpack_rewrites import rewritten
-    from exporter.backends.webgpu.partitioner import PolicyPartitioner
-
-    partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
-    program = rewritten(exported.program, WEBGPU_REWRITES)
-    return lowered_to_pte(
-        replace(exported, program=program),
-        partitioner,
-        partitioner.why_on_cpu,
-        output(backend),
-        out_dir,
-    )
+BACKEND = Webgpu(schema=WebgpuConfig, runtime="webgpu", delegate="VulkanBackend", audit=readers.pte)
