@@ -28,8 +28,7 @@ from exporter.command import track as target_run
 from exporter.config import PROJECT_ROOT
 from exporter.config import store as config_store
 from exporter.errors import ConfigError
-from exporter.job import outputs
-from exporter.job import worker
+from exporter.job import outputs, worker
 from exporter.tracking.record import JobContext
 
 config_store.register_schemas()

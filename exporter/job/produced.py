@@ -36,6 +36,9 @@ class CacheUse:
 
 @dataclass
 class Produced:
+    """The stages' values so far, set by the sequence that calls them (exporter/job/stages.py),
+    never by a stage itself; the job's record takes them when the job ends (`into`)."""
+
     # The model's parameters and buffers, each storage counted once.
     weight_bytes: int | None = None
     # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.

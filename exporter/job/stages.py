@@ -153,96 +153,155 @@ def run(
     report.json is written from the values: when validation's verdict is known, and once more
     at the end where the stages after it (localize, repair, benchmark) added to it, so that a
     job that one of them crashes or stops keeps the verdict."""
+    cache = Cache(Path(job.cache_dir)) if job.cache else None
+    sequence = _Sequence(
+        job, backend, produced, record, notify, _Store(cache, record.run_dir, produced.cache)
+    )
     try:
-        _run(job, backend, produced, record, notify)
+        program, expected, lowered = sequence.made()
+        if expected is None:
+            log.info(
+                "[validate] skipped: %s is a report, with nothing to run", lowered.artifact.path
+            )
+            return
+        lowered = sequence.judged(program, expected, lowered)
+        if job.benchmark.enabled:
+            sequence.benchmarked(program, expected, lowered)
     finally:
         if produced.report and (produced.localization or produced.repair or produced.benchmark):
             _write_report(record.run_dir, produced)
 
 
-def _run(
-    job: config.JobConfig,
-    backend: ConfiguredBackend,
-    produced: Produced,
-    record: JobRecord,
-    notify: Notify,
-) -> None:
-    def timed(name: str) -> contextlib.AbstractContextManager[None]:
-        return stage(record, name, notify)
+@dataclass(frozen=True)
+class _Sequence:
+    """What every stage of the sequence shares: the job, its backend, the values kept so far,
+    the frame's record (the stages' timings) and how it is told of each stage, and the cache."""
 
-    store = _Store(
-        Cache(Path(job.cache_dir)) if job.cache else None, record.run_dir, produced.cache
-    )
-    # The libraries are imported and the MLflow run is open: they last as long as the job.
-    memory.spare_survivors()
-    with timed("model"):
-        bundle = models.build(job.model, job.dynamic)
-        produced.weight_bytes = models.weight_bytes(bundle.module)
-        model_material = cache_keys.model(job)
-    program = None
-    if not job.artifact:
-        with timed("export"):
-            try:
-                program = _export(bundle, model_material, job, store)
-            except export.ExportDiagnosed as failure:
-                produced.diagnosis = failure.diagnosis
-                raise
-            produced.diagnosis = program.diagnosis
-    expected = None
-    if backend.makes_runnable:
-        # Before lowering: the oracle and eager's reference run on the module, which then goes,
-        # so no stage holds both the model and its exported program.
-        with timed("goldens"):
-            expected = _goldens(bundle, model_material, job, backend.reference_device, store)
-    # A given artifact's constants are audited against the model's own weights.
-    weights = models.weights(bundle.module) if program is None else {}
-    del bundle
-    memory.release_freed()
-    memory.spare_survivors()
-    if program is None:
-        lowered = Lowered(backend.adopt(Path(job.artifact)), weights)
-        log.info("[lower] skipped: validating the given artifact %s", lowered.artifact.path)
-    else:
-        with timed("lower"):
-            lowered = _lower(program, job, backend, store)
+    job: config.JobConfig
+    backend: ConfiguredBackend
+    produced: Produced
+    record: JobRecord
+    notify: Notify
+    store: _Store
+
+    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return stage(self.record, name, self.notify)
+
+    def made(self) -> tuple[ProgramFile | None, Expected | None, Lowered]:
+        """model -> export -> goldens -> lower: the exported program (None for a given
+        artifact), what artifacts are judged against (None where the backend makes a report),
+        and the artifact."""
+        job, produced = self.job, self.produced
+        # The libraries are imported and the MLflow run is open: they last as long as the job.
+        memory.spare_survivors()
+        with self.timed("model"):
+            bundle = models.build(job.model, job.dynamic)
+            produced.weight_bytes = models.weight_bytes(bundle.module)
+            model_material = cache_keys.model(job)
+        program = None
+        if not job.artifact:
+            with self.timed("export"):
+                try:
+                    program = _export(bundle, model_material, job, self.store)
+                except export.ExportDiagnosed as failure:
+                    produced.diagnosis = failure.diagnosis
+                    raise
+                produced.diagnosis = program.diagnosis
+        expected = None
+        if self.backend.makes_runnable:
+            # Before lowering: the oracle and eager's reference run on the module, which then
+            # goes, so no stage holds both the model and its exported program.
+            with self.timed("goldens"):
+                device = self.backend.reference_device
+                expected = _goldens(bundle, model_material, job, device, self.store)
+        # A given artifact's constants are audited against the model's own weights.
+        weights = models.weights(bundle.module) if program is None else {}
+        del bundle
         memory.release_freed()
         memory.spare_survivors()
-    produced.artifact = lowered.artifact
-    if expected is None:
-        log.info("[validate] skipped: %s is a report, with nothing to run", lowered.artifact.path)
-        return
-    if job.bundle:
-        with timed("bundle"):
-            produced.bundle = _bundle(job, record, lowered.artifact, expected)
-    with timed("validate"):
-        _validate(lowered, expected, produced, record.run_dir)
-        _write_report(record.run_dir, produced)
-    assert produced.report is not None
-    if _localizes(job.validate.localize, produced.report):
-        with timed("localize"):
-            lowered_now = _lowered_now(job, produced.cache, record.seconds.get("lower"))
-            produced.localization = _localize(
-                job, backend, program, produced.report, expected, record.run_dir, lowered_now
-            )
-        log.info("[localize] %s", "\n".join(produced.localization.lines()))
-    if not produced.passed:
-        produced.repair = _repair_or_fail(job, backend, produced)
-        # What the search found is the first artifact's; it stays in the repair's record.
-        produced.localization = None
-        with timed("repair"):
-            assert program is not None
-            lowered = _repaired(job, backend, program, expected, produced, record, store)
-        _repair_verdict(backend, produced)
-    log.info("[validate] passed at all %d live shapes", len(produced.report.shapes))
-    if job.benchmark.enabled:
-        with timed("benchmark"):
-            target = produced.report.target
+        if program is None:
+            lowered = Lowered(self.backend.adopt(Path(job.artifact)), weights)
+            log.info("[lower] skipped: validating the given artifact %s", lowered.artifact.path)
+        else:
+            with self.timed("lower"):
+                lowered = _lower(program, job, self.backend, self.store)
+            memory.release_freed()
+            memory.spare_survivors()
+        produced.artifact = lowered.artifact
+        return program, expected, lowered
+
+    def judged(self, program: ProgramFile | None, expected: Expected, lowered: Lowered) -> Lowered:
+        """bundle -> validate -> localize -> repair: the artifact that passed (the repaired one
+        where the repair lowered again); ValidationFailed where none did."""
+        job, backend, produced, run_dir = self.job, self.backend, self.produced, self.record.run_dir
+        if job.bundle:
+            with self.timed("bundle"):
+                produced.bundle = _bundle(job, self.record, lowered.artifact, expected)
+        with self.timed("validate"):
+            self.validated(lowered, expected)
+            _write_report(run_dir, produced)
+        assert produced.report is not None
+        if _localizes(job.validate.localize, produced.report):
+            with self.timed("localize"):
+                lower_seconds = self.record.seconds.get("lower")
+                lowered_now = _lowered_now(job, produced.cache, lower_seconds)
+                produced.localization = _localize(
+                    job, backend, program, produced.report, expected, run_dir, lowered_now
+                )
+            log.info("[localize] %s", "\n".join(produced.localization.lines()))
+        if not produced.passed:
+            produced.repair = _repair_or_fail(job, backend, produced)
+            # What the search found is the first artifact's; it stays in the repair's record.
+            produced.localization = None
+            with self.timed("repair"):
+                assert program is not None
+                lowered = self.repaired(program, expected)
+            _repair_verdict(backend, produced)
+        log.info("[validate] passed at all %d live shapes", len(produced.report.shapes))
+        return lowered
+
+    def validated(self, lowered: Lowered, expected: Expected) -> None:
+        """The artifact's constants audited against the lowered weights, which then go (before
+        the artifact is loaded), then its outputs judged; the audit is kept where running the
+        artifact fails."""
+        produced = self.produced
+        produced.weights_audit = audit.audit(lowered.artifact, lowered.weights)
+        lowered.weights.clear()
+        memory.release_freed()
+        produced.report = _validated(lowered.artifact, expected)
+        report_file = self.record.run_dir / REPORT_FILE
+        log.info("[validate] report (%s):\n%s", report_file, produced.report.table())
+        log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
+
+    def repaired(self, program: ProgramFile, expected: Expected) -> Lowered:
+        """The program lowered again with the repair's override, bundled and validated as the
+        first artifact was; its values replace the first artifact's."""
+        job, produced = self.job, self.produced
+        assert produced.repair is not None
+        keep_out = produced.repair.keep_out
+        log.info("[repair] lowering again with %s", keep_out.override)
+        repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
+        repaired_backend = dataclasses.replace(self.backend, fallback=keep_out.fallback)
+        lowered = _lower(program, repaired_job, repaired_backend, self.store)
+        produced.artifact = lowered.artifact
+        if job.bundle:
+            produced.bundle = _bundle(job, self.record, lowered.artifact, expected)
+        self.validated(lowered, expected)
+        return lowered
+
+    def benchmarked(
+        self, program: ProgramFile | None, expected: Expected, lowered: Lowered
+    ) -> None:
+        """The artifact that passed, timed beside eager PyTorch."""
+        produced = self.produced
+        assert produced.report is not None
+        with self.timed("benchmark"):
             produced.benchmark = _benchmark(
-                job, backend, lowered.artifact, program, expected, target
+                self.job, self.backend, lowered.artifact, program, expected, produced.report.target
             )
         log.info(
             "[benchmark] latency (%s):\n%s",
-            record.run_dir / REPORT_FILE,
+            self.record.run_dir / REPORT_FILE,
             produced.benchmark.table(),
         )
 
@@ -330,22 +389,15 @@ def _lower(
     return Lowered(backend.lowered_in(store.run_dir), weights)
 
 
-def _validate(lowered: Lowered, expected: Expected, produced: Produced, run_dir: Path) -> None:
-    """The artifact's weights audited against the lowered weights, which then go (before the
-    artifact is loaded), and its outputs validated: both into `produced`, the audit's first,
-    kept where running the artifact fails."""
-    produced.weights_audit = audit.audit(lowered.artifact, lowered.weights)
-    lowered.weights.clear()
-    memory.release_freed()
-    produced.report = validate.run(
+def _validated(artifact: Artifact, expected: Expected) -> validate.Report:
+    """The artifact's outputs at every live shape, judged against the goldens under the rule."""
+    return validate.run(
         expected.output_names,
-        _loader(lowered.artifact),
+        _loader(artifact),
         expected.shapes,
         expected.goldens,
         expected.tolerances,
     )
-    log.info("[validate] report (%s):\n%s", run_dir / REPORT_FILE, produced.report.table())
-    log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
 
 
 def _bundle(
@@ -409,30 +461,6 @@ def _repair_or_fail(
     return repair.Repair(
         keep_out, message, _report_payload(produced), produced.cache.keys.get("lower")
     )
-
-
-def _repaired(
-    job: config.JobConfig,
-    backend: ConfiguredBackend,
-    program: ProgramFile,
-    expected: Expected,
-    produced: Produced,
-    record: JobRecord,
-    store: _Store,
-) -> Lowered:
-    """The program lowered again with the repair's override, bundled and validated as the first
-    artifact was; its values replace the first artifact's in `produced`."""
-    assert produced.repair is not None
-    keep_out = produced.repair.keep_out
-    log.info("[repair] lowering again with %s", keep_out.override)
-    repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
-    repaired_backend = dataclasses.replace(backend, fallback=keep_out.fallback)
-    lowered = _lower(program, repaired_job, repaired_backend, store)
-    produced.artifact = lowered.artifact
-    if job.bundle:
-        produced.bundle = _bundle(job, record, lowered.artifact, expected)
-    _validate(lowered, expected, produced, record.run_dir)
-    return lowered
 
 
 def _repair_verdict(backend: ConfiguredBackend, produced: Produced) -> None:
