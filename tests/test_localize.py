@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 
-from exporter import config
+from exporter import backends, config
 from exporter.errors import ValidationFailed
 from exporter.job import stages
+from exporter.job.produced import Produced
 from exporter.localize import source_line
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
@@ -44,12 +45,13 @@ def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
     job = config.to_job(
         composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", "cache=false")
     )
-    record = JobRecord(run_dir=run_dir)
+    record, produced = JobRecord(run_dir=run_dir), Produced()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        stages.run(job, record, lambda *_: None)
+        stages.run(job, backends.configured(job), produced, record, lambda *_: None)
     except ValidationFailed as error:
         record.error = error
+    produced.into(record)
     return record, json.loads((run_dir / stages.REPORT_FILE).read_text())
 
 

@@ -1,9 +1,11 @@
 """A failure is reported by the stage where it happened: the model's own crash, its float64
-oracle, a tracking store that does not answer, a key no schema has. And what the stages say
-(torch.export's warnings) stays in the run dir's log."""
+oracle, a tracking store that does not answer, a key no schema has. What the stages say
+(torch.export's warnings) stays in the run dir's log. And each stage takes the values of the
+ones before, not their files: what a stopped job had stays readable."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,8 +13,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from exporter import backends, config
+from exporter.job import stages
+from exporter.job.produced import Produced
+from exporter.tracking.record import JobRecord
 from tests.conftest import PROJECT_ROOT, CliResult, run_exporter
 from tests.test_cli import assert_user_error
+from tests.test_config import composed
 from tests.test_export_failures import custom
 
 
@@ -118,3 +125,55 @@ def test_a_job_with_mlflow_off_never_imports_mlflow(tmp_path: Path) -> None:
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert (tmp_path / "run" / "report.json").exists()
+
+
+def stages_in_process(
+    run_dir: Path, notify: Callable[[str, str], None], *overrides: str
+) -> tuple[Produced, BaseException | None]:
+    """Runs one job's stages in this process with the cache in `run_dir`'s parent; what they
+    produced, and what ended them early (None where nothing did)."""
+    job = config.to_job(
+        composed(
+            "model=mlp", "mlflow=off", "bundle=off", f"cache_dir={run_dir.parent}/cache", *overrides
+        )
+    )
+    run_dir.mkdir(parents=True)
+    produced = Produced()
+    try:
+        stages.run(job, backends.configured(job), produced, JobRecord(run_dir=run_dir), notify)
+    except (Exception, KeyboardInterrupt) as ended:
+        return produced, ended
+    return produced, None
+
+
+def test_lowering_takes_the_program_the_export_stage_returned_not_the_run_dirs_file(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+
+    def notify(kind: str, value: str) -> None:
+        if (kind, value) == ("stage", "lower"):
+            # What the export stage linked into the run dir: no later stage reads it back.
+            (run_dir / "program.pt2").unlink()
+
+    produced, ended = stages_in_process(
+        run_dir, notify, "backend=executorch", "benchmark.repeats=2"
+    )
+    assert ended is None
+    assert produced.passed and produced.benchmark is not None
+    assert len(produced.benchmark.shapes) == len(produced.report.shapes) == 7
+
+
+def test_a_job_stopped_after_validation_keeps_the_verdict_in_report_json(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+
+    def notify(kind: str, value: str) -> None:
+        if (kind, value) == ("stage", "benchmark"):
+            raise KeyboardInterrupt
+
+    produced, ended = stages_in_process(run_dir, notify, "backend=eager")
+    assert isinstance(ended, KeyboardInterrupt)
+    assert produced.passed and produced.benchmark is None
+    written = json.loads((run_dir / stages.REPORT_FILE).read_text())
+    assert written["passed"] is True and "benchmark" not in written
+    assert len(written["executions"]) == len(produced.report.executions)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
-from exporter import config
+from exporter.config import MlflowConfig
 from exporter.errors import ExporterError, TrackingFailed
 from exporter.files import write_bytes
 from exporter.job import verdict as job_verdict
@@ -57,22 +56,29 @@ def conclude(
     return exit_code
 
 
-def start_run(store: Store, cfg: DictConfig, context: JobContext, record: JobRecord) -> str:
-    """Opens the job's MLflow run, RUNNING, with its params and Hydra's choices."""
+def start_run(
+    store: Store, params: Mapping[str, str], context: JobContext, record: JobRecord
+) -> str:
+    """Opens the job's MLflow run, RUNNING, with its params (the composed config, flattened:
+    exporter/config's `flatten`) and Hydra's choices."""
     from exporter.tracking import runs as tracking
 
     return tracking.start_run(
         store,
         context.run_name,
         record.started_ms,
-        config.flatten(cfg),
+        params,
         {**comparison.group_choices(context.choices), tracking.JOB_TAG: context.run_dir.name},
         context.parent_run_id,
     )
 
 
 def open_run(
-    cfg: DictConfig, context: JobContext, record: JobRecord, run_id: str | None = None
+    mlflow: MlflowConfig,
+    params: Mapping[str, str],
+    context: JobContext,
+    record: JobRecord,
+    run_id: str | None = None,
 ) -> tuple[Store | None, str | None]:
     """The job's MLflow store and run, the run opened here unless `run_id` names it: for a job
     that ends without its worker having opened it. (None, None) where tracking is off or cannot
@@ -80,11 +86,10 @@ def open_run(
     from exporter.tracking import runs as tracking
 
     try:
-        mlflow = config.mlflow_of(cfg)
         if not mlflow.enabled:
             return None, None
         store = tracking.open_store(mlflow)
-        return store, run_id or start_run(store, cfg, context, record)
+        return store, run_id or start_run(store, params, context, record)
     except ExporterError as error:
         log.error("[%s] %s", error.stage, error)
         return None, None

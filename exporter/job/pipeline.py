@@ -1,42 +1,47 @@
-"""One job: config -> startup -> model -> export -> lower -> goldens -> validate -> track.
+"""One job: config -> startup -> model -> export -> goldens -> lower -> bundle -> validate ->
+localize -> repair -> benchmark, then its ending (summary, plots, the MLflow run closed).
 
 Runs in the job's worker process (exporter/job/worker.py). The config stage checks what only
 the backend's toolchain can judge; then the startup stage opens the job's MLflow run and loads
-the stages' libraries, and the stages run (exporter/job/stages.py). A stage's failure becomes the
+the stages' libraries, and the stages run (exporter/job/stages.py: which of bundle, localize,
+repair and benchmark run depends on the job and its verdict). A stage's failure becomes the
 ExporterError of that stage, whose exit code the job returns; the run dir keeps every file
-written before it. Whatever ends the job, its record is concluded: summary, plots, the MLflow run
-closed with its status, and the lines the job ends with (exporter/job/verdict.py).
+written before it. Whatever ends the job, its record is assembled from what the stages returned
+(exporter/job/produced.py) and concluded: summary, plots, the MLflow run closed with its status,
+and the lines the job ends with (exporter/job/verdict.py).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-
-from omegaconf import DictConfig, OmegaConf
+from collections.abc import Mapping
 
 from exporter import backends, config
 from exporter.errors import ExporterError
-from exporter.files import write_bytes
 from exporter.job.ending import conclude, keep_traceback, open_run, start_run
+from exporter.job.produced import Produced
 from exporter.job.timing import Notify, stage
 from exporter.process import progress, slurm
 from exporter.tracking.record import JobContext, JobRecord
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
 
-
-def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Notify) -> int:
+def run(
+    job: config.JobConfig, params: Mapping[str, str], context: JobContext, notify: Notify
+) -> int:
     """Runs one job and returns its exit code (0 passed, 1 validation failed, 2..7 where it
-    failed, 128 + the signal that stopped it)."""
+    failed, 128 + the signal that stopped it). `params`: the MLflow run's params, the composed
+    config flattened (the typed job has no form for what a user wrote)."""
     record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
+    produced = Produced()
     store = run_id = None
     try:
-        write_bytes(record.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
         with stage(record, "config", notify):
-            backends.configured(job).check_target()
+            # Resolved once: the stages are handed it.
+            backend = backends.configured(job)
+            backend.check_target()
         # Seconds of their own (opening a new SQLite store, importing torch): a stage, so that
         # the job's time is all in its stages.
         with stage(record, "startup", notify):
@@ -47,21 +52,21 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
                 from exporter.tracking import runs as tracking
 
                 store = tracking.open_store(job.mlflow)
-                run_id = record.run_id = start_run(store, cfg, context, record)
+                run_id = record.run_id = start_run(store, params, context, record)
                 notify("run_id", run_id)
             # Imported only now: the stages load torch, which a configuration error need not
             # wait for.
             progress.doing("loading torch and the stages' libraries")
             from exporter.job import stages
 
-        stages.run(job, record, notify)
+        stages.run(job, backend, produced, record, notify)
     except ExporterError as error:
         record.error = error
         log.error("[%s] %s", error.stage, error)
         keep_traceback(error, record.run_dir)
         if run_id is None and context.parent_run_id:
             # A sweep's comparison and parent run need every job's run, a refused one too.
-            store, run_id = open_run(cfg, context, record)
+            store, run_id = open_run(job.mlflow, params, context, record)
     except KeyboardInterrupt:
         record.stopped_by = signal.SIGINT
         record.stop_reason = slurm.stop_reason(signal.SIGINT)
@@ -70,4 +75,6 @@ def run(job: config.JobConfig, cfg: DictConfig, context: JobContext, notify: Not
             record.stage,
             record.run_dir,
         )
+    # The record is assembled from what the stages returned, however the job ended.
+    produced.into(record)
     return conclude(record, context, store, run_id)

@@ -1,5 +1,8 @@
-"""The stages of a job after its config is checked: model -> export -> goldens -> lower ->
-validate -> benchmark, each taking what the ones before returned. They load torch; the job's frame
+"""The stages of a job after its config is checked, in the order they run: model -> export ->
+goldens -> lower -> bundle -> validate -> localize -> repair -> benchmark. Each is a function of
+the values the ones before returned (the model's bundle, the exported program's file, the
+goldens, the lowered artifact, the report), and `run` is the sequence that calls them and keeps
+their values for the job's record (exporter/job/produced.py). They load torch; the job's frame
 (exporter/job/pipeline.py) imports them once the config stage has passed, so a configuration error
 is answered without loading it.
 
@@ -18,6 +21,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,13 +29,14 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from exporter import audit, backends, benchmark, config, export, localize, models, validate
-from exporter.backends import Artifact
+from exporter import audit, benchmark, config, export, localize, models, validate
+from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
 from exporter.errors import RuntimeFailed, ValidationFailed
 from exporter.export import Exported
 from exporter.files import write_json
+from exporter.job.produced import CacheUse, Produced
 from exporter.job.timing import Notify, stage
 from exporter.localize import repair
 from exporter.process import memory, progress
@@ -52,54 +57,311 @@ REPORT_FILE = "report.json"
 BUNDLE_DIR = "bundle"
 
 
-def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
-    run_dir = record.run_dir
+@dataclass(frozen=True)
+class ProgramFile:
+    """The export stage's value: the folder holding program.pt2 (the cache's entry, or with the
+    cache off the run dir), what loading it needs of the model, the cache material that made it
+    (lowering's key builds on it), and why torch.export failed where the job went on with
+    draft_export's program. Stages load the program from it once the model has gone, with
+    weights of its own: no stage holds both."""
+
+    folder: Path
+    profiles: tuple[export.shapes.InputProfile, ...]
+    material: dict[str, Any]
+    diagnosis: export.Diagnosis | None
+
+    @property
+    def path(self) -> Path:
+        return self.folder / export.PROGRAM_FILE
+
+    def load(self) -> Exported:
+        progress.doing("loading the exported program")
+        return export.load(self.folder, self.profiles)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The goldens stage's value, what every artifact of the job is judged against: the model's
+    output names, the live shapes, the goldens (the planned inputs, the float64 oracle's outputs
+    and eager's error at the model's dtype) with the cache's file of them (None with the cache
+    off), and the job's rule."""
+
+    output_names: tuple[str, ...]
+    shapes: list[LiveShape]
+    goldens: stored_goldens.Goldens
+    file: Path | None
+    tolerances: validate.Tolerances
+
+    @property
+    def source(self) -> stored_goldens.Goldens | Path:
+        """What a bundle takes the goldens from: the cache's file where there is one."""
+        return self.file or self.goldens
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The lower stage's value: the artifact in the run dir, and the weights the audit checks
+    its constants against (the exported program's as the stage loaded it, or the model's for a
+    given artifact), emptied by the audit, which runs before the artifact is loaded."""
+
+    artifact: Artifact
+    weights: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Store:
+    """Where the cached stages' files come from: the cache (None where it is off), the run dir
+    (which gets links to them, and with the cache off their staging folders), and the ledger of
+    cache keys and hits that the job's record gets."""
+
+    cache: Cache | None
+    run_dir: Path
+    use: CacheUse
+
+    @contextlib.contextmanager
+    def built(
+        self, kind: str, material: dict[str, Any], build: Callable[[Path], object]
+    ) -> Iterator[Path]:
+        """Yields the folder holding the files `build(folder)` writes: the cache's entry for
+        `material`, built only if no job built it before, or with the cache off, a folder of
+        its own in the run dir, removed on exit. The caller links what it accepts into the run
+        dir."""
+        self.use.keys[kind] = key_of(material)
+        if self.cache is not None:
+            entry, self.use.hits[kind] = self.cache.fetch(kind, material, build)
+            yield entry
+            return
+        folder = Path(tempfile.mkdtemp(dir=self.run_dir, prefix=PARTIAL_PREFIX))
+        try:
+            build(folder)
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(
+    job: config.JobConfig,
+    backend: ConfiguredBackend,
+    produced: Produced,
+    record: JobRecord,
+    notify: Notify,
+) -> None:
+    """The stages in the order they run, each handed the values of the ones before, each value
+    kept in `produced` as it comes; `backend` is the job's, resolved once by the frame. `record`
+    is the frame's: the stages' timings.
+
+    report.json is written from the values: when validation's verdict is known, and once more
+    at the end where the stages after it (localize, repair, benchmark) added to it, so that a
+    job that one of them crashes or stops keeps the verdict."""
     cache = Cache(Path(job.cache_dir)) if job.cache else None
-    # The libraries are imported and the MLflow run is open: they last as long as the job.
-    memory.spare_survivors()
-    with stage(record, "model", notify):
-        bundle = models.build(job.model, job.dynamic)
-        record.weight_bytes = models.weight_bytes(bundle.module)
-        model_material = cache_keys.model(job)
-        profiles = export.profiles(bundle)
-    output_names = bundle.output_names
-    if not job.artifact:
-        with stage(record, "export", notify):
-            export_material = cache_keys.export(job, model_material)
-            _export(cache, record, job, bundle, export_material)
-    expected = None
-    if backends.configured(job).makes_runnable:
-        # Before lowering: the oracle and eager's reference run on the module, which then goes,
-        # so no stage holds both the model and its exported program.
-        with stage(record, "goldens", notify):
-            seed = job.validate.seed
-            shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
-            expected, goldens_file = _goldens(cache, record, job, bundle, model_material, shapes)
-    # The weights the audit checks the artifact's against: the model's own for a given
-    # artifact, the exported program's (as the lower stage loads it) for a lowered one. Kept
-    # until the audit, which runs before the artifact is loaded.
-    weights = models.weights(bundle.module) if job.artifact else {}
-    del bundle
-    memory.release_freed()
-    memory.spare_survivors()
-    if job.artifact:
-        artifact = backends.configured(job).adopt(Path(job.artifact))
-        log.info("[lower] skipped: validating the given artifact %s", artifact.path)
-    else:
-        with stage(record, "lower", notify):
-            # Loaded here, from program.pt2, with weights of its own.
-            progress.doing("loading the exported program")
-            exported = export.load(record.run_dir, profiles)
-            weights = {**exported.program.state_dict, **exported.program.constants}
-            artifact = _lower(cache, record, job, exported, export_material)
-        del exported
+    sequence = _Sequence(
+        job, backend, produced, record, notify, _Store(cache, record.run_dir, produced.cache)
+    )
+    try:
+        program, expected, lowered = sequence.made()
+        if expected is None:
+            log.info(
+                "[validate] skipped: %s is a report, with nothing to run", lowered.artifact.path
+            )
+            return
+        lowered = sequence.judged(program, expected, lowered)
+        if job.benchmark.enabled:
+            sequence.benchmarked(program, expected, lowered)
+    finally:
+        if produced.report and (produced.localization or produced.repair or produced.benchmark):
+            _write_report(record.run_dir, produced)
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    """What every stage of the sequence shares: the job, its backend, the values kept so far,
+    the frame's record (the stages' timings) and how it is told of each stage, and the cache."""
+
+    job: config.JobConfig
+    backend: ConfiguredBackend
+    produced: Produced
+    record: JobRecord
+    notify: Notify
+    store: _Store
+
+    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return stage(self.record, name, self.notify)
+
+    def made(self) -> tuple[ProgramFile | None, Expected | None, Lowered]:
+        """model -> export -> goldens -> lower: the exported program (None for a given
+        artifact), what artifacts are judged against (None where the backend makes a report),
+        and the artifact."""
+        job, produced = self.job, self.produced
+        # The libraries are imported and the MLflow run is open: they last as long as the job.
+        memory.spare_survivors()
+        with self.timed("model"):
+            bundle = models.build(job.model, job.dynamic)
+            produced.weight_bytes = models.weight_bytes(bundle.module)
+            model_material = cache_keys.model(job)
+        program = None
+        if not job.artifact:
+            with self.timed("export"):
+                try:
+                    program = _export(bundle, model_material, job, self.store)
+                except export.ExportDiagnosed as failure:
+                    produced.diagnosis = failure.diagnosis
+                    raise
+                produced.diagnosis = program.diagnosis
+        expected = None
+        if self.backend.makes_runnable:
+            # Before lowering: the oracle and eager's reference run on the module, which then
+            # goes, so no stage holds both the model and its exported program.
+            with self.timed("goldens"):
+                device = self.backend.reference_device
+                expected = _goldens(bundle, model_material, job, device, self.store)
+        # A given artifact's constants are audited against the model's own weights.
+        weights = models.weights(bundle.module) if program is None else {}
+        del bundle
         memory.release_freed()
         memory.spare_survivors()
-    record.artifact = artifact
-    if expected is None:
-        log.info("[validate] skipped: %s is a report, with nothing to run", artifact.path.name)
-        return
-    tolerances = validate.Tolerances(
+        if program is None:
+            lowered = Lowered(self.backend.adopt(Path(job.artifact)), weights)
+            log.info("[lower] skipped: validating the given artifact %s", lowered.artifact.path)
+        else:
+            with self.timed("lower"):
+                lowered = _lower(program, job, self.backend, self.store)
+            memory.release_freed()
+            memory.spare_survivors()
+        produced.artifact = lowered.artifact
+        return program, expected, lowered
+
+    def judged(self, program: ProgramFile | None, expected: Expected, lowered: Lowered) -> Lowered:
+        """bundle -> validate -> localize -> repair: the artifact that passed (the repaired one
+        where the repair lowered again); ValidationFailed where none did."""
+        job, backend, produced, run_dir = self.job, self.backend, self.produced, self.record.run_dir
+        if job.bundle:
+            with self.timed("bundle"):
+                produced.bundle = _bundle(job, self.record, lowered.artifact, expected)
+        with self.timed("validate"):
+            self.validated(lowered, expected)
+            _write_report(run_dir, produced)
+        assert produced.report is not None
+        if _localizes(job.validate.localize, produced.report):
+            with self.timed("localize"):
+                lower_seconds = self.record.seconds.get("lower")
+                lowered_now = _lowered_now(job, produced.cache, lower_seconds)
+                produced.localization = _localize(
+                    job, backend, program, produced.report, expected, run_dir, lowered_now
+                )
+            log.info("[localize] %s", "\n".join(produced.localization.lines()))
+        if not produced.passed:
+            produced.repair = _repair_or_fail(job, backend, produced)
+            # What the search found is the first artifact's; it stays in the repair's record.
+            produced.localization = None
+            with self.timed("repair"):
+                assert program is not None
+                lowered = self.repaired(program, expected)
+            _repair_verdict(backend, produced)
+        log.info("[validate] passed at all %d live shapes", len(produced.report.shapes))
+        return lowered
+
+    def validated(self, lowered: Lowered, expected: Expected) -> None:
+        """The artifact's constants audited against the lowered weights, which then go (before
+        the artifact is loaded), then its outputs judged; the audit is kept where running the
+        artifact fails."""
+        produced = self.produced
+        produced.weights_audit = audit.audit(lowered.artifact, lowered.weights)
+        lowered.weights.clear()
+        memory.release_freed()
+        produced.report = _validated(lowered.artifact, expected)
+        report_file = self.record.run_dir / REPORT_FILE
+        log.info("[validate] report (%s):\n%s", report_file, produced.report.table())
+        log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
+
+    def repaired(self, program: ProgramFile, expected: Expected) -> Lowered:
+        """The program lowered again with the repair's override, bundled and validated as the
+        first artifact was; its values replace the first artifact's."""
+        job, produced = self.job, self.produced
+        assert produced.repair is not None
+        keep_out = produced.repair.keep_out
+        log.info("[repair] lowering again with %s", keep_out.override)
+        repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
+        repaired_backend = dataclasses.replace(self.backend, fallback=keep_out.fallback)
+        lowered = _lower(program, repaired_job, repaired_backend, self.store)
+        produced.artifact = lowered.artifact
+        if job.bundle:
+            produced.bundle = _bundle(job, self.record, lowered.artifact, expected)
+        self.validated(lowered, expected)
+        return lowered
+
+    def benchmarked(
+        self, program: ProgramFile | None, expected: Expected, lowered: Lowered
+    ) -> None:
+        """The artifact that passed, timed beside eager PyTorch."""
+        produced = self.produced
+        assert produced.report is not None
+        with self.timed("benchmark"):
+            produced.benchmark = _benchmark(
+                self.job, self.backend, lowered.artifact, program, expected, produced.report.target
+            )
+        log.info(
+            "[benchmark] latency (%s):\n%s",
+            self.record.run_dir / REPORT_FILE,
+            produced.benchmark.table(),
+        )
+
+
+def _export(
+    bundle: models.ModelBundle,
+    model_material: dict[str, Any],
+    job: config.JobConfig,
+    store: _Store,
+) -> ProgramFile:
+    """The exported program, linked into the run dir as program.pt2; a failed export leaves its
+    diagnosis there (export_report.json / .txt) instead."""
+    material = cache_keys.export(job, model_material)
+
+    def build(out: Path) -> None:
+        export.run(bundle, job.export.on_failure, out)
+
+    try:
+        with store.built("export", material, build) as folder:
+            link_files(folder, store.run_dir)
+            diagnosis = export.Diagnosis.read(folder)
+    except export.ExportDiagnosed as failure:
+        failure.diagnosis.write(store.run_dir)
+        raise
+    # The cache's entry stays; with the cache off, the staging folder went and the run dir's
+    # links are the files.
+    kept = folder if store.cache is not None else store.run_dir
+    return ProgramFile(kept, export.profiles(bundle), material, diagnosis)
+
+
+def _goldens(
+    bundle: models.ModelBundle,
+    model_material: dict[str, Any],
+    job: config.JobConfig,
+    device: str,
+    store: _Store,
+) -> Expected:
+    """The planned live shapes, their inputs, the float64 oracle's outputs for them and eager's
+    error at the model's dtype on `device`. Kept in the cache, and linked into the run dir only
+    by its bundle: they are not a result, and can be larger than the artifact."""
+    seed = job.validate.seed
+    shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+    material = cache_keys.goldens(job, model_material, shapes)
+    store.use.keys["goldens"] = key_of(material)
+
+    def compute() -> stored_goldens.Goldens:
+        return goldens.compute(bundle, shapes, seed, device)
+
+    names, tolerances = tuple(bundle.output_names), _tolerances(job)
+    if store.cache is None:
+        return Expected(names, shapes, compute(), None, tolerances)
+    folder, store.use.hits["goldens"] = store.cache.fetch(
+        "goldens", material, lambda out: stored_goldens.save(compute(), out)
+    )
+    file = folder / stored_goldens.GOLDENS_FILE
+    return Expected(names, shapes, stored_goldens.load(folder), file, tolerances)
+
+
+def _tolerances(job: config.JobConfig) -> validate.Tolerances:
+    return validate.Tolerances(
         job.validate.rule.value,
         job.atol,
         job.rtol,
@@ -109,123 +371,37 @@ def run(job: config.JobConfig, record: JobRecord, notify: Notify) -> None:
         job.validate.kl_factor,
         job.validate.top1_slack,
     )
-    backend_precision = backends.configured(job).half_precision
-    goldens_source = goldens_file or expected
-    if job.bundle:
-        with stage(record, "bundle", notify):
-            record.bundle = _bundle(
-                job, record, artifact, goldens_source, output_names, shapes, tolerances
-            )
-    with stage(record, "validate", notify):
-        report = _validated(record, artifact, weights, output_names, shapes, expected, tolerances)
-    if _localizes(job.validate.localize, report):
-        with stage(record, "localize", notify):
-            record.localization = _localize(job, record, report, expected, tolerances, profiles)
-        _write_report(record)
-        log.info("[localize] %s", "\n".join(record.localization.lines()))
-    if not (report.passed and record.weights_audit.passed):
-        # Weights that differ are no kernel's doing: no op to keep out.
-        keep_out = (
-            repair.keep_out(record.localization, artifact.partition, job.fallback)
-            if record.weights_audit.passed
-            else None
-        )
-        message = _failure_message(report, record, keep_out, backend_precision)
-        if keep_out is None or job.validate.repair is config.RepairMode.off:
-            raise ValidationFailed(message)
-        log.warning("[validate] %s", message)
-        record.repair = repair.Repair(
-            keep_out, message, _report_payload(record), record.cache_keys.get("lower")
-        )
-        # What the search found is the first artifact's; it stays in the repair's record.
-        record.localization = None
-        with stage(record, "repair", notify):
-            log.info("[repair] lowering again with %s", keep_out.override)
-            exported = export.load(record.run_dir, profiles)
-            weights = {**exported.program.state_dict, **exported.program.constants}
-            repaired_job = dataclasses.replace(job, fallback=keep_out.fallback)
-            artifact = _lower(cache, record, repaired_job, exported, export_material)
-            del exported
-            record.artifact = artifact
-            if job.bundle:
-                record.bundle = _bundle(
-                    job, record, artifact, goldens_source, output_names, shapes, tolerances
-                )
-            report = _validated(
-                record, artifact, weights, output_names, shapes, expected, tolerances
-            )
-        record.repair.passed = report.passed and record.weights_audit.passed
-        _write_report(record)
-        if not record.repair.passed:
-            repaired_failure = _failure_message(report, record, None, backend_precision)
-            raise ValidationFailed(
-                f"validate.repair=auto lowered again with {keep_out.override}, and that "
-                f"artifact fails too: {repaired_failure} The first artifact: {message}"
-            )
-        log.info(
-            "[repair] the artifact lowered again with %s passes; the first one failed: %s",
-            keep_out.override,
-            message,
-        )
-    log.info("[validate] passed at all %d live shapes", len(report.shapes))
-    if not job.benchmark.enabled:
-        return
-    with stage(record, "benchmark", notify):
-        record.benchmark = benchmark.run(
-            shapes,
-            lambda shape: expected.cases[label(shape)][0],
-            benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact)),
-            _eager(run_dir, job, report.target),
-            job.benchmark,
-        )
-    _write_report(record)
-    log.info("[benchmark] latency (%s):\n%s", run_dir / REPORT_FILE, record.benchmark.table())
 
 
-def _loader(artifact: Artifact) -> Callable[[], Loaded]:
-    def load() -> Loaded:
-        try:
-            return load_runtime(artifact.path, artifact.runtime, artifact.device)
-        except Exception as error:
-            raise RuntimeFailed(
-                f"cannot load {artifact.path} (runtime {artifact.runtime}): "
-                f"{type(error).__name__}: {error}"
-            ) from error
+def _lower(
+    program: ProgramFile, job: config.JobConfig, backend: ConfiguredBackend, store: _Store
+) -> Lowered:
+    """The program, loaded now with weights of its own, lowered to `backend` and linked into
+    the run dir; with the program's weights for the audit. `job` keys the cache's entry."""
+    exported = program.load()
+    # Taken before lowering, which may change the program.
+    weights = {**exported.program.state_dict, **exported.program.constants}
+    material = cache_keys.lower(job, program.material)
+    with store.built("lower", material, lambda out: backend.lower(exported, out)) as folder:
+        # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
+        backend.check_fallback(backend.lowered_in(folder))
+        link_files(folder, store.run_dir)
+    return Lowered(backend.lowered_in(store.run_dir), weights)
 
-    return load
 
-
-def _validated(
-    record: JobRecord,
-    artifact: Artifact,
-    weights: dict[str, torch.Tensor],
-    output_names: Sequence[str],
-    shapes: Sequence[LiveShape],
-    expected: stored_goldens.Goldens,
-    tolerances: validate.Tolerances,
-) -> validate.Report:
-    """The artifact's weights audited against `weights` and its outputs validated, into the
-    record and report.json. `weights` is emptied once audited: its tensors go before the
-    artifact is loaded."""
-    record.weights_audit = audit.audit(artifact, weights)
-    weights.clear()
-    memory.release_freed()
-    report = validate.run(output_names, _loader(artifact), shapes, expected, tolerances)
-    record.report = report
-    _write_report(record)
-    log.info("[validate] report (%s):\n%s", record.run_dir / REPORT_FILE, report.table())
-    log.info("[validate] %s", "\n".join(record.weights_audit.lines()))
-    return report
+def _validated(artifact: Artifact, expected: Expected) -> validate.Report:
+    """The artifact's outputs at every live shape, judged against the goldens under the rule."""
+    return validate.run(
+        expected.output_names,
+        _loader(artifact),
+        expected.shapes,
+        expected.goldens,
+        expected.tolerances,
+    )
 
 
 def _bundle(
-    job: config.JobConfig,
-    record: JobRecord,
-    artifact: Artifact,
-    goldens_source: stored_goldens.Goldens | Path,
-    output_names: Sequence[str],
-    shapes: Sequence[LiveShape],
-    tolerances: validate.Tolerances,
+    job: config.JobConfig, record: JobRecord, artifact: Artifact, expected: Expected
 ) -> bundles.Bundle:
     """bundle/ in the run dir: links to the artifact's files and the goldens (written there
     when the cache is off), and the manifest that runs them on a target as this job will."""
@@ -245,13 +421,13 @@ def _bundle(
     written = bundles.write(
         record.run_dir / BUNDLE_DIR,
         artifact.files(),
-        goldens_source,
+        expected.source,
         artifact.runtime,
         artifact.device,
-        output_names,
-        shapes,
-        executions(shapes),
-        tolerances,
+        expected.output_names,
+        expected.shapes,
+        executions(expected.shapes),
+        expected.tolerances,
         source,
     )
     log.info(
@@ -264,20 +440,96 @@ def _bundle(
     return written
 
 
+def _repair_or_fail(
+    job: config.JobConfig, backend: ConfiguredBackend, produced: Produced
+) -> repair.Repair:
+    """A failed validation's repair: the override that keeps the diverging op out of the
+    delegate, where the search found one and validate.repair=auto asks for it; otherwise the
+    job fails with validation's message."""
+    assert produced.report is not None and produced.weights_audit is not None
+    # Weights that differ are no kernel's doing: no op to keep out.
+    assert produced.artifact is not None
+    keep_out = (
+        repair.keep_out(produced.localization, produced.artifact.partition, job.fallback)
+        if produced.weights_audit.passed
+        else None
+    )
+    message = _failure_message(produced, keep_out, backend.half_precision)
+    if keep_out is None or job.validate.repair is config.RepairMode.off:
+        raise ValidationFailed(message)
+    log.warning("[validate] %s", message)
+    return repair.Repair(
+        keep_out, message, _report_payload(produced), produced.cache.keys.get("lower")
+    )
+
+
+def _repair_verdict(backend: ConfiguredBackend, produced: Produced) -> None:
+    """The repaired artifact's verdict, kept in the repair's record: the job fails where it
+    fails too."""
+    assert produced.repair is not None and produced.report is not None
+    found = produced.repair
+    found.passed = produced.passed
+    if not found.passed:
+        repaired_failure = _failure_message(produced, None, backend.half_precision)
+        raise ValidationFailed(
+            f"validate.repair=auto lowered again with {found.keep_out.override}, and that "
+            f"artifact fails too: {repaired_failure} The first artifact: {found.first_failure}"
+        )
+    log.info(
+        "[repair] the artifact lowered again with %s passes; the first one failed: %s",
+        found.keep_out.override,
+        found.first_failure,
+    )
+
+
+def _benchmark(
+    job: config.JobConfig,
+    backend: ConfiguredBackend,
+    artifact: Artifact,
+    program: ProgramFile | None,
+    expected: Expected,
+    target: Mapping[str, str],
+) -> benchmark.Benchmark:
+    """The artifact's latency at every live shape, beside eager PyTorch's on the device that
+    matches the artifact's `target`."""
+    return benchmark.run(
+        expected.shapes,
+        lambda shape: expected.goldens.cases[label(shape)][0],
+        benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact)),
+        _eager(program, backend, target),
+        job.benchmark,
+    )
+
+
+def _loader(artifact: Artifact) -> Callable[[], Loaded]:
+    def load() -> Loaded:
+        try:
+            return load_runtime(artifact.path, artifact.runtime, artifact.device)
+        except Exception as error:
+            raise RuntimeFailed(
+                f"cannot load {artifact.path} (runtime {artifact.runtime}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    return load
+
+
 def _failure_message(
-    report: validate.Report,
-    record: JobRecord,
-    keep_out: repair.KeepOut | None = None,
-    backend_precision: str | None = None,
+    produced: Produced, keep_out: repair.KeepOut | None, backend_precision: str | None
 ) -> str:
     """Validation's message, with what the backend is known to lose at the model's dtype where
     values differ, then the weights that differ, then where the outputs diverge and, where that
     is one op's doing, the override that keeps the op out of the delegate."""
+    report, weights_audit, localization = (
+        produced.report,
+        produced.weights_audit,
+        produced.localization,
+    )
+    assert report is not None
     sentences = [report.failure_message()] if not report.passed else []
     differ = any(o.values_differ for e in report.executions for o in e.outputs)
     if differ and backend_precision:
         sentences.append(backend_precision)
-    weights_audit = record.weights_audit
     if weights_audit and not weights_audit.passed:
         changed = [m.parameter for m in weights_audit.mismatched] + [
             c.where for c in weights_audit.corrupted
@@ -288,39 +540,39 @@ def _failure_message(
             f"The weights audit found {counted} of the artifact that {verb} from the model's "
             f"weights: {', '.join(changed)}."
         )
-    if isinstance(record.localization, localize.FirstDivergence):
-        found = record.localization
+    if isinstance(localization, localize.FirstDivergence):
+        found = localization
         sentences.append(
             f"The first node that diverges is {found.summary()} in {found.module or 'the model'}"
             f", at {found.source or 'an unknown source line'}."
         )
         if keep_out:
             sentences.append(keep_out.advice())
-    elif isinstance(record.localization, localize.NotReproduced):
+    elif isinstance(localization, localize.NotReproduced):
         sentences.append("Lowering the program again does not reproduce the failure.")
     return " ".join(sentences) + f" ({REPORT_FILE} in the run dir says more.)"
 
 
-def _write_report(record: JobRecord) -> None:
+def _write_report(run_dir: Path, produced: Produced) -> None:
     """report.json: validation's report, and what later stages found, each in its section."""
-    write_json(record.run_dir / REPORT_FILE, json_safe(_report_payload(record)))
+    write_json(run_dir / REPORT_FILE, json_safe(_report_payload(produced)))
 
 
-def _report_payload(record: JobRecord) -> dict[str, Any]:
-    assert record.report is not None
+def _report_payload(produced: Produced) -> dict[str, Any]:
+    assert produced.report is not None
     sections = {
-        "weights_audit": record.weights_audit and record.weights_audit.to_json(),
-        "first_divergence": record.localization and record.localization.to_json(),
-        "benchmark": record.benchmark and record.benchmark.to_json(),
-        "bundle": record.bundle
+        "weights_audit": produced.weights_audit and produced.weights_audit.to_json(),
+        "first_divergence": produced.localization and produced.localization.to_json(),
+        "benchmark": produced.benchmark and produced.benchmark.to_json(),
+        "bundle": produced.bundle
         and {
-            "folder": record.bundle.folder.name,
-            "bytes": record.bundle.total_bytes,
-            "files": dict(record.bundle.files),
+            "folder": produced.bundle.folder.name,
+            "bytes": produced.bundle.total_bytes,
+            "files": dict(produced.bundle.files),
         },
-        "repair": record.repair and record.repair.to_json(),
+        "repair": produced.repair and produced.repair.to_json(),
     }
-    return {**record.report.to_json(), **{k: v for k, v in sections.items() if v}}
+    return {**produced.report.to_json(), **{k: v for k, v in sections.items() if v}}
 
 
 def _localizes(mode: config.LocalizeMode, report: validate.Report) -> bool:
@@ -334,47 +586,48 @@ def _localizes(mode: config.LocalizeMode, report: validate.Report) -> bool:
 
 def _localize(
     job: config.JobConfig,
-    record: JobRecord,
+    backend: ConfiguredBackend,
+    program: ProgramFile | None,
     report: validate.Report,
-    expected: stored_goldens.Goldens,
-    tolerances: validate.Tolerances,
-    profiles: tuple[export.shapes.InputProfile, ...],
+    expected: Expected,
+    run_dir: Path,
+    lowered_now: tuple[str, float | None],
 ) -> localize.Localization:
     """The first node of the job's exported program that diverges at the first execution that
     failed (on a passing job, at its worst), replayed as validation ran it. What stops the
     search is its result's reason: the job's verdict is validation's either way."""
     # The budget counts from here: loading (or exporting) the program is part of the search.
     started = time.perf_counter()
-    replay = _replay(report, expected, tolerances)
+    tolerances = expected.tolerances
+    replay = _replay(report, expected.goldens, tolerances)
     names = report.output_names
     # A .partial- folder: what a stopped job's worker leaves of it is removed
     # (exporter/job/worker.py).
-    work_dir = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=f"{PARTIAL_PREFIX}localize-"))
+    work_dir = Path(tempfile.mkdtemp(dir=run_dir, prefix=f"{PARTIAL_PREFIX}localize-"))
     try:
-        program = _program(job, record.run_dir, profiles, work_dir)
+        exported = program.load() if program else _export_now(job, work_dir)
 
         def lower(part: ExportedProgram, folder: Path) -> Callable[[], Loaded]:
             # The part is in memory only: its path is where a backend that ships the program
             # itself (eager) saves it.
-            exported = Exported(part, folder / export.PROGRAM_FILE, profiles)
-            artifact = backends.configured(job).lower(exported, folder)
+            part_program = Exported(part, folder / export.PROGRAM_FILE, exported.inputs)
+            artifact = backend.lower(part_program, folder)
             return lambda: load_runtime(artifact.path, artifact.runtime, artifact.device)
 
         def fails(outputs: Sequence[torch.Tensor]) -> bool:
-            judged = validate.judge(names, outputs, replay.shape, expected, tolerances)
+            judged = validate.judge(names, outputs, replay.shape, expected.goldens, tolerances)
             return not all(output.within for output in judged)
 
-        lowered_now, full_lowering_seconds = _lowered_now(job, record)
         return localize.localize(
-            program.program,
+            exported.program,
             lower,
             replay,
             fails,
             tolerances,
             work_dir,
-            lowered_now=lowered_now,
+            lowered_now=lowered_now[0],
             budget_seconds=job.validate.localize_seconds,
-            full_lowering_seconds=full_lowering_seconds,
+            full_lowering_seconds=lowered_now[1],
             started=started,
         )
     except Exception as error:
@@ -384,7 +637,9 @@ def _localize(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _lowered_now(job: config.JobConfig, record: JobRecord) -> tuple[str, float | None]:
+def _lowered_now(
+    job: config.JobConfig, cache: CacheUse, lower_seconds: float | None
+) -> tuple[str, float | None]:
     """Why the artifact judged is what lowering the job's program makes now ("" where that is
     not known: a given artifact), and what lowering the whole program took where this job
     lowered it. A cache entry is as good as a lowering in this run: its key holds the program,
@@ -392,15 +647,13 @@ def _lowered_now(job: config.JobConfig, record: JobRecord) -> tuple[str, float |
     job took it."""
     if job.artifact:
         return "", None
-    if record.cache_hits.get("lower"):
+    if cache.hits.get("lower"):
         return (
             "the artifact is the cache's entry for this program, backend, code and libraries, "
             "and its files matched their checksums",
             None,
         )
-    return "this job lowered the artifact from this program in this run", record.seconds.get(
-        "lower"
-    )
+    return "this job lowered the artifact from this program in this run", lower_seconds
 
 
 def _replay(
@@ -425,122 +678,22 @@ def _replay(
     )
 
 
-def _program(
-    job: config.JobConfig,
-    run_dir: Path,
-    profiles: tuple[export.shapes.InputProfile, ...],
-    work_dir: Path,
-) -> Exported:
-    """The job's exported program; a job that validated a given artifact exported none, and
-    exports the model now."""
-    if (run_dir / export.PROGRAM_FILE).exists():
-        return export.load(run_dir, profiles)
+def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:
+    """A job that validated a given artifact exported no program: the search exports the
+    model now."""
     log.info("[localize] exporting the model: the job validated a given artifact")
     bundle = models.build(job.model, job.dynamic)
     return export.run(bundle, job.export.on_failure, work_dir)
 
 
 def _eager(
-    run_dir: Path, job: config.JobConfig, target: Mapping[str, str]
+    program: ProgramFile | None, backend: ConfiguredBackend, target: Mapping[str, str]
 ) -> benchmark.Subject | None:
     """Eager PyTorch to time beside the artifact: the job's exported program, on the device
     that matches the artifact's; None where the job validated a given artifact and exported
     nothing."""
-    program = run_dir / export.PROGRAM_FILE
-    if not program.exists():
+    if program is None:
         return None
-    device = backends.configured(job).eager_device(target)
-    return benchmark.Subject("eager", device, lambda: load_runtime(program, "eager", device))
-
-
-@contextlib.contextmanager
-def _built(
-    cache: Cache | None,
-    record: JobRecord,
-    kind: str,
-    material: dict[str, Any],
-    build: Callable[[Path], object],
-) -> Iterator[Path]:
-    """Yields the folder holding the files `build(folder)` writes: the cache's entry for
-    `material`, built only if no job built it before, or with the cache off, a folder of its
-    own in the run dir, removed on exit. The caller links what it accepts into the run dir."""
-    record.cache_keys[kind] = key_of(material)
-    if cache is not None:
-        entry, record.cache_hits[kind] = cache.fetch(kind, material, build)
-        yield entry
-        return
-    folder = Path(tempfile.mkdtemp(dir=record.run_dir, prefix=PARTIAL_PREFIX))
-    try:
-        build(folder)
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _export(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    bundle: models.ModelBundle,
-    material: dict[str, Any],
-) -> None:
-    """Links the exported program (program.pt2) into the run dir; a failed export leaves its
-    diagnosis there (export_report.json / .txt) instead."""
-
-    def build(out: Path) -> None:
-        export.run(bundle, job.export.on_failure, out)
-
-    try:
-        with _built(cache, record, "export", material, build) as folder:
-            link_files(folder, record.run_dir)
-    except export.ExportDiagnosed as failure:
-        record.diagnosis = failure.diagnosis
-        failure.diagnosis.write(record.run_dir)
-        raise
-    record.diagnosis = export.Diagnosis.read(record.run_dir)
-
-
-def _lower(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    exported: Exported,
-    export_material: dict[str, Any],
-) -> Artifact:
-    material = cache_keys.lower(job, export_material)
-    backend = backends.configured(job)
-    with _built(
-        cache, record, "lower", material, lambda out: backend.lower(exported, out)
-    ) as folder:
-        # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
-        backend.check_fallback(backend.lowered_in(folder))
-        link_files(folder, record.run_dir)
-    return backend.lowered_in(record.run_dir)
-
-
-def _goldens(
-    cache: Cache | None,
-    record: JobRecord,
-    job: config.JobConfig,
-    bundle: models.ModelBundle,
-    model_material: dict[str, Any],
-    shapes: list[LiveShape],
-) -> tuple[stored_goldens.Goldens, Path | None]:
-    """The planned inputs, the float64 oracle's outputs for them and eager's error at the model's
-    dtype, and the cache's file of them (None with the cache off). Kept in the cache, and
-    linked into the run dir only by its bundle: they are not a result, and can be larger than
-    the artifact."""
-    material = cache_keys.goldens(job, model_material, shapes)
-    record.cache_keys["goldens"] = key_of(material)
-
-    def compute() -> stored_goldens.Goldens:
-        return goldens.compute(
-            bundle, shapes, job.validate.seed, backends.configured(job).reference_device
-        )
-
-    if cache is None:
-        return compute(), None
-    folder, record.cache_hits["goldens"] = cache.fetch(
-        "goldens", material, lambda out: stored_goldens.save(compute(), out)
-    )
-    return stored_goldens.load(folder), folder / stored_goldens.GOLDENS_FILE
+    device = backend.eager_device(target)
+    path = program.path
+    return benchmark.Subject("eager", device, lambda: load_runtime(path, "eager", device))

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from exporter import config
 from exporter.cache.store import Cache
 from exporter.config import PROJECT_ROOT
 from exporter.errors import STAGE_ERRORS, ConfigError
+from exporter.files import write_bytes
 from exporter.job import outputs
 from exporter.job.ending import conclude, keep_traceback, open_run
 from exporter.process import interrupts, memory, slurm
@@ -48,6 +49,8 @@ from runtimes import native_log
 from runtimes.files import PARTIAL_PREFIX
 
 log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
 
 # Signals that stop a job: forwarded to the worker, and the job ends KILLED.
 _STOPS = (signal.SIGINT, signal.SIGTERM)
@@ -82,12 +85,17 @@ class _Progress:
 
 def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) -> int:
     """Runs the job in a worker and returns its exit code. `logging_config`: the job's logging
-    (Hydra's job_logging, resolved), which the worker sets up as the command's process has."""
+    (Hydra's job_logging, resolved), which the worker sets up as the command's process has.
+
+    Hydra's composed config goes no further than here: the run dir gets it as config.yaml, the
+    MLflow run as its params (flattened), and the job's frame below gets the typed job."""
     record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
+    params = config.flatten(cfg)
     try:
         job = outputs.accepted(cfg)
     except ConfigError as error:
-        return _refused(cfg, context, record, error)
+        return _refused(cfg, params, context, record, error)
+    write_bytes(context.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
     progress = _Progress()
     read_end, write_end = os.pipe()
     with _forwarded() as stops:
@@ -110,18 +118,18 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
         os.close(write_end)
         assert worker.stdin is not None
         with worker.stdin:
-            pickle.dump((job, cfg, context, logging_config), worker.stdin)
+            pickle.dump((job, params, context, logging_config), worker.stdin)
         with os.fdopen(read_end) as events:
             progress.follow(events)
         worker.wait()
     if progress.exit_code is not None:
         return progress.exit_code
-    return _died(cfg, job, context, record, worker, progress, stops.received)
+    return _died(job, params, context, record, worker, progress, stops.received)
 
 
 def _work(events_fd: int) -> None:
     """The worker: the job's stages, its record and its MLflow run."""
-    job, cfg, context, logging_config = pickle.load(sys.stdin.buffer)
+    job, params, context, logging_config = pickle.load(sys.stdin.buffer)
     logging.config.dictConfig(logging_config)
     # Python's warnings (torch.export's among them) go to the job's log, not to stderr alone.
     logging.captureWarnings(True)
@@ -136,7 +144,7 @@ def _work(events_fd: int) -> None:
 
         # Native libraries' lines go to the run dir: the terminal gets the job's log.
         with native_log.routed_to(context.run_dir / native_log.NATIVE_LOG):
-            exit_code = pipeline.run(job, cfg, context, notify)
+            exit_code = pipeline.run(job, params, context, notify)
         notify("exit_code", exit_code)
     sys.exit(exit_code)
 
@@ -188,7 +196,13 @@ def _time_limit_near(signum: int, frame: object) -> None:
     )
 
 
-def _refused(cfg: DictConfig, context: JobContext, record: JobRecord, error: ConfigError) -> int:
+def _refused(
+    cfg: DictConfig,
+    params: dict[str, str],
+    context: JobContext,
+    record: JobRecord,
+    error: ConfigError,
+) -> int:
     """A config the schema rejects: nothing runs. A job of a sweep still gets its run dir and
     FAILED run, so the sweep's comparison has every job; a single job, refused here only where
     its config changed since it was checked (a tracking server that stopped answering), records
@@ -196,13 +210,21 @@ def _refused(cfg: DictConfig, context: JobContext, record: JobRecord, error: Con
     record.error = error
     log.error("[%s] %s", error.stage, error)
     keep_traceback(error, context.run_dir)
-    store, run_id = open_run(cfg, context, record) if context.parent_run_id else (None, None)
+    store = run_id = None
+    if context.parent_run_id:
+        try:
+            # The MLflow settings alone: a config refused for another value still has them.
+            mlflow = config.mlflow_of(cfg)
+        except ConfigError as problem:
+            log.error("[%s] %s", problem.stage, problem)
+        else:
+            store, run_id = open_run(mlflow, params, context, record)
     return conclude(record, context, store, run_id)
 
 
 def _died(
-    cfg: DictConfig,
     job: config.JobConfig,
+    params: dict[str, str],
     context: JobContext,
     record: JobRecord,
     worker: subprocess.Popen,
@@ -230,7 +252,7 @@ def _died(
             last = native_log.last_words(context.run_dir / native_log.NATIVE_LOG, _LAST_WORDS)
             log.error("[%s] the end of %s:\n%s", record.stage, native_log.NATIVE_LOG, last)
     _remove_partial_files(job, context.run_dir, worker.pid)
-    store, run_id = open_run(cfg, context, record, progress.run_id)
+    store, run_id = open_run(job.mlflow, params, context, record, progress.run_id)
     return conclude(record, context, store, run_id)
 
 

@@ -393,19 +393,8 @@ class _Search:
     def _judged(
         self, name: str, actual: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor
     ) -> NodeError:
-        rule = self.tolerances
         reference = reference_error(narrow, wide)
-        stats = compare(
-            name,
-            actual,
-            wide,
-            narrow.dtype,
-            rule.atol,
-            rule.rtol,
-            reference,
-            rule.factor if rule.scaled else None,
-            rule.floor,
-        )
+        stats = compare(name, actual, wide, narrow.dtype, self.tolerances, reference)
         node = self.nodes[self.index[name]]
         return NodeError(
             name,

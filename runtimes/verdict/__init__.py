@@ -76,19 +76,7 @@ def judge(
             f"the model returns {len(expected_outputs)} ({', '.join(output_names)})."
         )
     return tuple(
-        compare(
-            name,
-            actual,
-            expected,
-            dtype,
-            tolerances.atol,
-            tolerances.rtol,
-            reference,
-            tolerances.factor if tolerances.scaled else None,
-            tolerances.floor,
-            goldens.is_logits(index),
-            tolerances,
-        )
+        compare(name, actual, expected, dtype, tolerances, reference, goldens.is_logits(index))
         for index, (name, actual, expected, dtype, reference) in enumerate(
             zip(
                 output_names,

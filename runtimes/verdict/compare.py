@@ -54,6 +54,11 @@ class Tolerances:
     kl_factor: float = math.nan
     top1_slack: float = 0.0
 
+    @classmethod
+    def absolute(cls, atol: float, rtol: float) -> Tolerances:
+        """The absolute rule alone, with nothing of the reference rule's."""
+        return cls("absolute", atol, rtol, factor=math.nan, floor=0.0)
+
     @property
     def scaled(self) -> bool:
         return self.rule == "reference"
@@ -124,32 +129,26 @@ def compare(
     actual: torch.Tensor,
     golden: torch.Tensor,
     expected_dtype: torch.dtype,
-    atol: float,
-    rtol: float,
+    tolerances: Tolerances,
     reference: EagerError | None = None,
-    factor: float | None = None,
-    floor: float = 0.0,
     logits: bool = False,
-    distribution: Tolerances | None = None,
 ) -> OutputStats:
-    """Under the absolute rule (`factor` None) an element passes when abs <= atol or rel <= rtol.
-    Under the reference rule the output passes as a whole when its RMS error and its max abs
-    error are each at most `factor` times `reference`'s plus `floor` times the golden's RMS (for
-    the RMS error) or its largest magnitude (for the max abs error),
-    and `failing` counts the elements beyond the max abs bound. `reference` is reported under
-    either rule. An infinity passes against the same infinity, with
-    error 0 (Polygraphy's infinities_compare_equal); against anything else, and NaN on either
-    side, an element never passes. The output's shape must equal the golden's, and its dtype
-    must be `expected_dtype`: an artifact that returns float64 where eager gives float32 fails
-    however close its values are, which are still measured.
+    """`actual` against its float64 `golden` under `tolerances`' rule: the absolute rule
+    (_absolute) or the reference rule (_scaled), which needs `reference`, eager's error at the
+    model's dtype; `reference` is reported under either rule. An infinity passes against the
+    same infinity, with error 0 (Polygraphy's infinities_compare_equal); against anything else,
+    and NaN on either side, an element never passes. The output's shape must equal the golden's,
+    and its dtype must be `expected_dtype`: an artifact that returns float64 where eager gives
+    float32 fails however close its values are, which are still measured.
 
     For `logits` (next-token logits on the last axis), what they predict is measured too
-    (NextToken); under `distribution`'s half rule, an output at a half dtype whose values fail
-    the reference rule passes where its predictions are as good as eager's (Tolerances)."""
+    (NextToken); under the half rule "distribution", an output at a half dtype whose values fail
+    the reference rule passes where its predictions are as good as eager's (_as_good_as_eager).
+    """
     dtypes = _dtype_name(actual.dtype), _dtype_name(expected_dtype)
     same_dtype = actual.dtype == expected_dtype
     shape, golden_shape = tuple(actual.shape), tuple(golden.shape)
-    if factor is not None and reference is None:
+    if tolerances.scaled and reference is None:
         raise ValueError("the reference rule needs eager's error at the model's dtype")
     ref = {"ref_max_abs": reference.max_abs, "ref_nrmse": reference.nrmse} if reference else {}
     if shape != golden_shape:
@@ -160,49 +159,20 @@ def compare(
             False, False, **ref, ratio=inf, needed_factor=inf,
         )  # fmt: skip
     predicted = next_token(actual, golden) if logits and golden.numel() else None
-    actual = actual.detach().to(torch.float64).flatten()
-    golden = golden.detach().to(torch.float64).flatten()
     if actual.numel() == 0:
         zeros = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
         return OutputStats(
             name, shape, golden_shape, *dtypes, *zeros, True, same_dtype, **ref,
             ratio=0.0, needed_factor=0.0,
         )  # fmt: skip
-
-    # inf - inf is NaN: an infinity matched by the same one gets error 0 before any statistic.
-    equal_inf = torch.isinf(golden) & (actual == golden)
-    nonfinite = ~(torch.isfinite(actual) & torch.isfinite(golden)) & ~equal_inf
-    abs_err = (actual - golden).abs().masked_fill(equal_inf, 0.0)
-    rel_err = abs_err / golden.abs()
-    # An element fails the rtol test when rel > rtol; only atol >= its abs error could pass it.
-    rel_fails = ~(rel_err <= rtol) | nonfinite
-    needed_atol = 0.0
-    if bool(rel_fails.any()):
-        needed_atol = math.inf if bool(nonfinite.any()) else abs_err[rel_fails].max().item()
-    # The matched infinities leave the golden's RMS too, or it would be inf and hide errors.
-    finite_golden = golden.masked_fill(equal_inf, 0.0)
-    max_abs = _nan_as_inf(abs_err.max().item())
-    nrmse = _nan_as_inf(_nrmse(abs_err, finite_golden))
-
-    golden_max = finite_golden.abs().max().item()
-    if factor is None:
-        # NaN compares False, so a non-finite element can never pass either test.
-        element_ok = ((abs_err <= atol) | (rel_err <= rtol)) & ~nonfinite
-        failing = int((~element_ok).sum())
-        within = failing == 0
-    else:
+    errors = _Errors.of(actual, golden, tolerances.rtol)
+    if tolerances.scaled:
         assert reference is not None
-        max_bound = factor * reference.max_abs + floor * golden_max
-        failing = int((~(abs_err <= max_bound) | nonfinite).sum())
-        within = failing == 0 and nrmse <= factor * reference.nrmse + floor
+        failing, within = _scaled(errors, reference, tolerances.factor, tolerances.floor)
+    else:
+        failing, within = _absolute(errors, tolerances.atol, tolerances.rtol)
     if reference is not None:
-        ref |= {
-            "ratio": max(_ratio(nrmse, reference.nrmse), _ratio(max_abs, reference.max_abs)),
-            "needed_factor": max(
-                _ratio(nrmse - floor, reference.nrmse),
-                _ratio(max_abs - floor * golden_max, reference.max_abs),
-            ),
-        }
+        ref |= _factors(errors, reference, tolerances.floor)
     by_distribution = False
     if predicted is not None:
         ref |= {"top1": predicted.top1, "kl_mean": predicted.kl_mean, "kl_max": predicted.kl_max}
@@ -212,35 +182,125 @@ def compare(
                 "ref_kl_mean": reference.kl_mean,
                 "ref_kl_max": reference.kl_max,
             }
-        by_distribution = (
-            not within
-            and distribution is not None
-            and distribution.by_distribution
-            and reference is not None
-            and dtypes[1] in HALF_DTYPES
-            and not bool(nonfinite.any())
-            and predicted.top1 >= reference.top1 - distribution.top1_slack
-            and predicted.kl_mean <= distribution.kl_factor * reference.kl_mean
-        )
-
+            by_distribution = (
+                not within
+                and dtypes[1] in HALF_DTYPES
+                and not errors.any_nonfinite
+                and _as_good_as_eager(predicted, reference, tolerances)
+            )
     return OutputStats(
         name=name,
         shape=shape,
         golden_shape=golden_shape,
         dtype=dtypes[0],
         expected_dtype=dtypes[1],
-        max_abs=max_abs,
-        mean_abs=_nan_as_inf(abs_err.mean().item()),
-        max_rel=_nan_as_inf(rel_err.nan_to_num(nan=0.0).max().item()),
-        p99_abs=_nan_as_inf(_nearest_rank(abs_err, 0.99)),
-        nrmse=nrmse,
-        needed_atol=needed_atol,
-        nonfinite=int(nonfinite.sum()),
+        max_abs=errors.max_abs,
+        mean_abs=_nan_as_inf(errors.abs_err.mean().item()),
+        max_rel=_nan_as_inf(errors.rel_err.nan_to_num(nan=0.0).max().item()),
+        p99_abs=_nan_as_inf(_nearest_rank(errors.abs_err, 0.99)),
+        nrmse=errors.nrmse,
+        needed_atol=errors.needed_atol,
+        nonfinite=int(errors.nonfinite.sum()),
         failing=failing,
         within=within or by_distribution,
         passed=(within or by_distribution) and same_dtype,
         by_distribution=by_distribution,
         **ref,
+    )
+
+
+@dataclass(frozen=True)
+class _Errors:
+    """The element-wise errors of an output against its golden (both flattened, in float64),
+    and the statistics both rules read."""
+
+    abs_err: torch.Tensor
+    rel_err: torch.Tensor
+    # Elements non-finite on either side, but for an infinity matched by the same one.
+    nonfinite: torch.Tensor
+    # The golden's largest magnitude, its matched infinities left out.
+    golden_max: float
+    max_abs: float
+    nrmse: float
+    # The smallest atol that passes every element with the rule's rtol (inf if none would).
+    needed_atol: float
+
+    @property
+    def any_nonfinite(self) -> bool:
+        return bool(self.nonfinite.any())
+
+    @classmethod
+    def of(cls, actual: torch.Tensor, golden: torch.Tensor, rtol: float) -> _Errors:
+        actual = actual.detach().to(torch.float64).flatten()
+        golden = golden.detach().to(torch.float64).flatten()
+        # inf - inf is NaN: an infinity matched by the same one gets error 0 before any
+        # statistic.
+        equal_inf = torch.isinf(golden) & (actual == golden)
+        nonfinite = ~(torch.isfinite(actual) & torch.isfinite(golden)) & ~equal_inf
+        abs_err = (actual - golden).abs().masked_fill(equal_inf, 0.0)
+        rel_err = abs_err / golden.abs()
+        # An element fails the rtol test when rel > rtol; only atol >= its abs error could pass
+        # it.
+        rel_fails = ~(rel_err <= rtol) | nonfinite
+        needed_atol = 0.0
+        if bool(rel_fails.any()):
+            needed_atol = math.inf if bool(nonfinite.any()) else abs_err[rel_fails].max().item()
+        # The matched infinities leave the golden's RMS too, or it would be inf and hide errors.
+        finite_golden = golden.masked_fill(equal_inf, 0.0)
+        return cls(
+            abs_err=abs_err,
+            rel_err=rel_err,
+            nonfinite=nonfinite,
+            golden_max=finite_golden.abs().max().item(),
+            max_abs=_nan_as_inf(abs_err.max().item()),
+            nrmse=_nan_as_inf(_nrmse(abs_err, finite_golden)),
+            needed_atol=needed_atol,
+        )
+
+
+def _absolute(errors: _Errors, atol: float, rtol: float) -> tuple[int, bool]:
+    """The absolute rule, element by element: an element passes when abs <= atol or rel <= rtol.
+    The elements that fail, and whether the output passes (none fails)."""
+    # NaN compares False, so a non-finite element can never pass either test.
+    element_ok = ((errors.abs_err <= atol) | (errors.rel_err <= rtol)) & ~errors.nonfinite
+    failing = int((~element_ok).sum())
+    return failing, failing == 0
+
+
+def _scaled(
+    errors: _Errors, reference: EagerError, factor: float, floor: float
+) -> tuple[int, bool]:
+    """The reference rule, on the output as a whole: it passes when its RMS error and its max
+    abs error are each at most `factor` times eager's plus `floor` times the golden's RMS (for
+    the RMS error) or its largest magnitude (for the max abs error). The elements beyond the max
+    abs bound fail."""
+    max_bound = factor * reference.max_abs + floor * errors.golden_max
+    failing = int((~(errors.abs_err <= max_bound) | errors.nonfinite).sum())
+    return failing, failing == 0 and errors.nrmse <= factor * reference.nrmse + floor
+
+
+def _factors(errors: _Errors, reference: EagerError, floor: float) -> dict[str, float]:
+    """The output's errors over eager's (`ratio`), and the smallest factor the reference rule
+    would pass with `floor` (`needed_factor`)."""
+    return {
+        "ratio": max(
+            _ratio(errors.nrmse, reference.nrmse), _ratio(errors.max_abs, reference.max_abs)
+        ),
+        "needed_factor": max(
+            _ratio(errors.nrmse - floor, reference.nrmse),
+            _ratio(errors.max_abs - floor * errors.golden_max, reference.max_abs),
+        ),
+    }
+
+
+def _as_good_as_eager(predicted: NextToken, reference: EagerError, tolerances: Tolerances) -> bool:
+    """The half rule "distribution": next-token predictions that agree with the oracle's at
+    least as often as eager's, less `top1_slack`, and diverge from them by at most `kl_factor`
+    times eager's mean KL divergence."""
+    return (
+        tolerances.by_distribution
+        and predicted.top1 >= reference.top1 - tolerances.top1_slack
+        and predicted.kl_mean <= tolerances.kl_factor * reference.kl_mean
     )
 
 
@@ -265,7 +325,9 @@ def next_token(logits: torch.Tensor, golden: torch.Tensor) -> NextToken:
 def reference_error(actual: torch.Tensor, golden: torch.Tensor, logits: bool = False) -> EagerError:
     """Eager's error at the model's dtype, measured as the reference rule reads it, and for
     `logits` its predictions."""
-    stats = compare("reference", actual, golden, actual.dtype, atol=0.0, rtol=0.0, logits=logits)
+    stats = compare(
+        "reference", actual, golden, actual.dtype, Tolerances.absolute(0.0, 0.0), None, logits
+    )
     return EagerError(stats.max_abs, stats.nrmse, stats.top1, stats.kl_mean, stats.kl_max)
 
 
