@@ -15,11 +15,15 @@ from exporter import backends, config
 from tests.conftest import CONF_DIR, CliResult, run_exporter
 
 
+# One decoder layer: where the weights go does not depend on how many layers hold them.
+LLAMA = ("model=llama", "model.num_hidden_layers=1")
+
+
 @pytest.fixture(scope="module")
 def llama_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     return run_exporter(
         tmp_path_factory.mktemp("external"),
-        "model=llama",
+        *LLAMA,
         "backend=executorch",
         "backend.external_weights=true",
         "mlflow=off",
@@ -57,7 +61,7 @@ def test_a_given_pte_validates_with_the_ptd_beside_it(
     # Named otherwise than the job wrote them: the runtime looks for the .pte's own name.
     shutil.copy(llama_job.run_dir / "model.pte", tmp_path / "weights.pte")
     shutil.copy(llama_job.run_dir / "model.ptd", tmp_path / "weights.ptd")
-    result = exporter_cli("model=llama", f"artifact={tmp_path / 'weights.pte'}", "mlflow=off")
+    result = exporter_cli(*LLAMA, f"artifact={tmp_path / 'weights.pte'}", "mlflow=off")
     assert result.exit_code == 0, result.output
     assert "passed at all 7 live shapes" in result.output
 
@@ -66,7 +70,7 @@ def test_a_pte_without_its_ptd_is_a_runtime_error_naming_it(
     llama_job: CliResult, exporter_cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:
     shutil.copy(llama_job.run_dir / "model.pte", tmp_path / "model.pte")
-    result = exporter_cli("model=llama", f"artifact={tmp_path / 'model.pte'}", "mlflow=off")
+    result = exporter_cli(*LLAMA, f"artifact={tmp_path / 'model.pte'}", "mlflow=off")
     assert result.exit_code == 5, result.output
     assert f"must lie beside it as model.ptd, and {tmp_path / 'model.ptd'} does not exist" in (
         result.output
