@@ -9,11 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from exporter import backends, config
-from tests.conftest import CONF_DIR, CliResult, run_exporter
-
+from tests.conftest import CliResult, run_exporter
 
 # One decoder layer: where the weights go does not depend on how many layers hold them.
 LLAMA = ("model=llama", "model.num_hidden_layers=1")
@@ -28,14 +25,6 @@ def llama_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
         "backend.external_weights=true",
         "mlflow=off",
     )
-
-
-def test_the_schema_value_declares_model_ptd_beside_model_pte() -> None:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        job = config.to_job(compose("config", overrides=["backend.external_weights=true"]))
-    output = backends.declared("executorch").output(job.backend)
-    assert (output.file, output.data_file) == ("model.pte", "model.ptd")
-    assert output.runtime == "executorch"
 
 
 def test_llama_passes_with_its_weights_in_model_ptd(llama_job: CliResult) -> None:
