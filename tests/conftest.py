@@ -59,8 +59,8 @@ BRIEF_BENCHMARK = ("benchmark.warmup=0", "benchmark.seconds=0.01")
 
 @cache
 def empty_store() -> Path:
-    """A SQLite MLflow store whose tables are made and which holds no run: making them takes a
-    job on a fresh store 5 to 15 s of its startup."""
+    """A SQLite MLflow store whose tables are made and which holds no run: making them costs a
+    job on a fresh store seconds of its startup (12 of 16 on a loaded 2-core machine)."""
     folder = Path(tempfile.mkdtemp(prefix="exporter-tests-store-"))
     atexit.register(shutil.rmtree, folder, True)
     MlflowClient(tracking_uri_in(folder)).search_experiments()

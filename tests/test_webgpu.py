@@ -254,9 +254,10 @@ def test_gpu_without_a_hardware_gpu_is_a_configuration_error() -> None:
 MODELS = [kind.value for kind in ToyKind] + ["mlp", "llama"]
 
 
-def assert_passed_on_lavapipe(job_dir: Path, delegated_whole: bool = True) -> None:
+def assert_passed_on_lavapipe(job_dir: Path, output: str, delegated_whole: bool = True) -> None:
+    """The job of `job_dir` passed at every live shape on lavapipe; `output` is what it said."""
     report = json.loads((job_dir / "report.json").read_text())
-    assert report["passed"]
+    assert report["passed"], output[-3000:]
     assert len(report["shapes"]) == 7
     # Every shape ran twice on the one loaded program, then once more on a new one.
     instances = [e["instance"] for e in report["executions"]]
@@ -273,7 +274,7 @@ def test_a_one_layer_llama_job_passes_at_every_live_shape_on_lavapipe(tmp_path: 
         tmp_path, "model=llama", "model.num_hidden_layers=1", "backend=webgpu", "benchmark=off"
     )
     assert result.exit_code == 0, result.output
-    assert_passed_on_lavapipe(result.run_dir)
+    assert_passed_on_lavapipe(result.run_dir, result.output)
     (run,) = result.mlflow_runs()
     assert run.data.tags["target.adapter_backend"] == "Vulkan"
 
@@ -294,8 +295,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_passes_at_every_live_shape_on_lavapipe(sweep: SweepResult, model: str) -> None:
     (job_dir,) = sweep.sweep_dir.glob(f"*-{model}-webgpu")
-    assert (job_dir / "report.json").exists(), sweep.output[-3000:]
-    assert_passed_on_lavapipe(job_dir, delegated_whole=model != "gqa_attention")
+    assert_passed_on_lavapipe(job_dir, sweep.output, delegated_whole=model != "gqa_attention")
 
 
 @pytest.mark.slow
