@@ -21,7 +21,6 @@ def mlp_package(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     return run_exporter(tmp_path_factory.mktemp("aoti-mlp"), "model=mlp", "backend=aoti")
 
 
-@pytest.mark.slow
 def test_the_mlp_package_passes_at_every_planned_size(mlp_package: CliResult) -> None:
     assert mlp_package.exit_code == 0, mlp_package.output
     report = mlp_package.report()
@@ -41,7 +40,6 @@ def test_the_mlp_package_passes_at_every_planned_size(mlp_package: CliResult) ->
     assert {"model.pt2", "program.pt2", "report.json"} <= artifacts
 
 
-@pytest.mark.slow
 def test_the_package_runs_on_its_own_at_a_size_validation_never_planned(
     mlp_package: CliResult,
 ) -> None:

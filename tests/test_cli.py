@@ -226,7 +226,8 @@ def test_weights_perturbed_after_lowering_fail_validation(
     assert timed["eager_device"] is None and timed["worst_speedup_vs_eager"] is None
     assert all(s["median_ms"] > 0 and s["eager"] is None for s in timed["shapes"])
 
-    result = exporter_cli("model=mlp", f"artifact={perturbed}")
+    # The verdict is the point; naming the node (a search that lowers again) is test_localize's.
+    result = exporter_cli("model=mlp", f"artifact={perturbed}", "validate.localize=off")
     assert_user_error(
         result, 1, "less accurate than eager at the model's dtype", "smallest validate.factor"
     )

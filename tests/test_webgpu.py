@@ -1,8 +1,9 @@
 """backend=webgpu: ExecuTorch's WebGPU lowering, run by runtimes/webgpu on a real wgpu device
 (Mesa's lavapipe here: apt-get install mesa-vulkan-drivers).
 
-The fast tests lower toy models in-process; the slow one runs every toy, mlp and llama through
-the CLI, as a user would, and checks each passed at every planned live shape."""
+The fast tests lower toy models in-process and run one Llama job through the CLI, as a user
+would; the slow ones run every toy, mlp and llama that way and check each passed at every
+planned live shape."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from runtimes.loaders.webgpu import adapter, memory_plan
 from runtimes.loaders.webgpu.kernels.base import Gpu, GpuTensor, UnsupportedOp
 from runtimes.loaders.webgpu.kernels.reduction import Reduction
 from runtimes.loaders.webgpu.program import InputOutOfBounds, WebgpuProgram
-from tests.conftest import CONF_DIR, SweepResult, run_sweep
+from tests.conftest import CONF_DIR, SweepResult, run_exporter, run_sweep
 
 
 @cache
@@ -253,6 +254,31 @@ def test_gpu_without_a_hardware_gpu_is_a_configuration_error() -> None:
 MODELS = [kind.value for kind in ToyKind] + ["mlp", "llama"]
 
 
+def assert_passed_on_lavapipe(job_dir: Path, output: str, delegated_whole: bool = True) -> None:
+    """The job of `job_dir` passed at every live shape on lavapipe; `output` is what it said."""
+    report = json.loads((job_dir / "report.json").read_text())
+    assert report["passed"], output[-3000:]
+    assert len(report["shapes"]) == 7
+    # Every shape ran twice on the one loaded program, then once more on a new one.
+    instances = [e["instance"] for e in report["executions"]]
+    assert instances.count("same instance") == 13 and instances.count("new instance") == 1
+    assert report["target"]["adapter_type"] == "CPU"
+    assert "llvmpipe" in report["target"]["adapter"]
+    partition = json.loads((job_dir / "partition.json").read_text())
+    if delegated_whole:
+        assert partition["delegated_fraction"] == 1.0
+
+
+def test_a_one_layer_llama_job_passes_at_every_live_shape_on_lavapipe(tmp_path: Path) -> None:
+    result = run_exporter(
+        tmp_path, "model=llama", "model.num_hidden_layers=1", "backend=webgpu", "benchmark=off"
+    )
+    assert result.exit_code == 0, result.output
+    assert_passed_on_lavapipe(result.run_dir, result.output)
+    (run,) = result.mlflow_runs()
+    assert run.data.tags["target.adapter_backend"] == "Vulkan"
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
     workdir = tmp_path_factory.mktemp("webgpu_sweep")
@@ -269,17 +295,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> SweepResult:
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_passes_at_every_live_shape_on_lavapipe(sweep: SweepResult, model: str) -> None:
     (job_dir,) = sweep.sweep_dir.glob(f"*-{model}-webgpu")
-    report = json.loads((job_dir / "report.json").read_text())
-    assert report["passed"], sweep.output[-3000:]
-    assert len(report["shapes"]) == 7
-    # Every shape ran twice on the one loaded program, then once more on a new one.
-    instances = [e["instance"] for e in report["executions"]]
-    assert instances.count("same instance") == 13 and instances.count("new instance") == 1
-    assert report["target"]["adapter_type"] == "CPU"
-    assert "llvmpipe" in report["target"]["adapter"]
-    partition = json.loads((job_dir / "partition.json").read_text())
-    if model != "gqa_attention":
-        assert partition["delegated_fraction"] == 1.0
+    assert_passed_on_lavapipe(job_dir, sweep.output, delegated_whole=model != "gqa_attention")
 
 
 @pytest.mark.slow
