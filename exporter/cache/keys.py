@@ -69,8 +69,9 @@ def goldens(
         "model": model_material,
         "shapes": shapes,
         "seed": job.validate.seed,
+        "greedy_tokens": job.validate.greedy_tokens,
         "reference_device": backends.configured(job).reference_device,
-        "code": code_of(["exporter.validate.goldens"]),
+        "code": code_of(["exporter.validate.goldens", "exporter.validate.sessions"]),
     }
 
 

@@ -58,8 +58,39 @@ class ModelConfig:
     dtype: ModelDtype = ModelDtype.float32
 
 
+class KvCache(Enum):
+    """How a causal LM is exported (`model.kv_cache`): `none`, token ids -> logits over the whole
+    sequence; `static`, the generation loop's program: token ids and their cache positions ->
+    logits, with a key/value cache of `model.max_cache_len` slots held as the program's mutable
+    buffers, so a prefill and every decode step call the same program."""
+
+    none = "none"
+    static = "static"
+
+
 @dataclass
-class LlamaConfig(ModelConfig):
+class CausalLmConfig(ModelConfig):
+    """What every causal LM takes: how it is exported. `max_cache_len` (null: the seq bound's
+    max) is the cache's slots with `kv_cache=static`."""
+
+    kv_cache: KvCache = KvCache.none
+    max_cache_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_cache_len is not None and self.max_cache_len < 2:
+            raise ConfigError(
+                f"model.max_cache_len is {self.max_cache_len}; it must be at least 2 (a prefill "
+                "and one decode step), or null for the seq bound's max."
+            )
+        if self.max_cache_len is not None and self.kv_cache is KvCache.none:
+            raise ConfigError(
+                f"model.max_cache_len={self.max_cache_len} sizes a KV cache, and model.kv_cache "
+                "is none: set model.kv_cache=static, or leave max_cache_len null."
+            )
+
+
+@dataclass
+class LlamaConfig(CausalLmConfig):
     """transformers' LlamaForCausalLM: seeded random weights of this shape, or `checkpoint`, a
     local Hugging Face checkpoint directory (then the shape fields are ignored)."""
 
@@ -75,18 +106,20 @@ class LlamaConfig(ModelConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.checkpoint is not None:
             _check_checkpoint(self.checkpoint)
 
 
 @dataclass
-class HfConfig(ModelConfig):
+class HfConfig(CausalLmConfig):
     """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained()),
     loaded by transformers' own classes at `dtype`; never the network, never remote code."""
 
     checkpoint: str = MISSING
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_checkpoint(self.checkpoint)
 
 
@@ -381,6 +414,11 @@ class ValidateConfig:
                 f"validate.localize_seconds is {self.localize_seconds:g}; it must be more "
                 "than 0, or null for no limit (validate.localize=off skips the search)."
             )
+        for name in ("sampled_positions", "greedy_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"validate.{name} is {getattr(self, name)}; it must be 0 or more."
+                )
 
     half: HalfRule = HalfRule.distribution
     # Measured (docs/validation.md, "Half precision"): SmolLM2-135M's correct float16 XNNPACK
@@ -388,6 +426,11 @@ class ValidateConfig:
     # eager keeps; a 1% scaled output projection or last MLP of it reaches 15 to 23 times eager's.
     kl_factor: float = 8.0
     top1_slack: float = 0.02
+    # A KV-cache model's sessions: decode positions judged besides the first decode step and
+    # the last cache slot (every step runs; these are compared), and the greedy tokens
+    # generated from one prompt by the artifact, eager and the oracle.
+    sampled_positions: int = 6
+    greedy_tokens: int = 16
 
 
 @dataclass
@@ -518,6 +561,20 @@ class JobConfig:
             )
         if self.artifact is not None and not Path(self.artifact).is_file():
             raise ConfigError(f"artifact={self.artifact}: no such file.")
+        self._check_cache()
+
+    def _check_cache(self) -> None:
+        """A prefill must fit the cache: the seq bound at most `model.max_cache_len`."""
+        model = self.model
+        if not isinstance(model, CausalLmConfig) or model.max_cache_len is None:
+            return
+        seq = self.dynamic.get("seq")
+        if seq is not None and seq.max > model.max_cache_len:
+            raise ConfigError(
+                f"dynamic.seq.max is {seq.max}, beyond model.max_cache_len ({model.max_cache_len})"
+                ": a prefill must fit the cache. Lower dynamic.seq.max, raise "
+                "model.max_cache_len, or leave it null (the seq bound's max)."
+            )
 
     @property
     def atol(self) -> float:

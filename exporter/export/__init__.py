@@ -62,7 +62,10 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
         # on success what it printed (warnings) goes to the job's log.
         with contextlib.redirect_stderr(said):
             program = torch.export.export(
-                bundle.module, example, dynamic_shapes=shapes.spec(bundle), strict=False
+                bundle.module,
+                example,
+                dynamic_shapes=shapes.spec(bundle),
+                strict=bundle.export_strict,
             )
     except Exception as error:
         log.info("[export] torch.export failed; diagnosing with torch.export.draft_export")

@@ -41,7 +41,7 @@ from exporter.job.timing import Notify, stage
 from exporter.localize import repair
 from exporter.process import memory, progress
 from exporter.tracking.record import JobRecord
-from exporter.validate import goldens
+from exporter.validate import goldens, sessions
 from exporter.validate.plan import plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
@@ -49,6 +49,7 @@ from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
+from runtimes.verdict.sessions import judged as judged_steps
 from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
@@ -343,12 +344,22 @@ def _goldens(
     error at the model's dtype on `device`. Kept in the cache, and linked into the run dir only
     by its bundle: they are not a result, and can be larger than the artifact."""
     seed = job.validate.seed
-    shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+    if bundle.decoder is None:
+        shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
+
+        def compute() -> stored_goldens.Goldens:
+            return goldens.compute(bundle, shapes, seed, device)
+
+    else:
+        (seq,) = bundle.dims
+        planned = sessions.plan(bundle.decoder, seq, job.validate.sampled_positions, seed)
+        shapes = [s for i, session in enumerate(planned) for s in judged_steps(i, session)]
+
+        def compute() -> stored_goldens.Goldens:
+            return sessions.compute(bundle, planned, job.validate.greedy_tokens, device)
+
     material = cache_keys.goldens(job, model_material, shapes)
     store.use.keys["goldens"] = key_of(material)
-
-    def compute() -> stored_goldens.Goldens:
-        return goldens.compute(bundle, shapes, seed, device)
 
     names, tolerances = tuple(bundle.output_names), _tolerances(job)
     if store.cache is None:

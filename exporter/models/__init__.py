@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping
 
 import torch
 
 from exporter.config import (
+    CausalLmConfig,
     CustomModelConfig,
     DimBounds,
     EncoderConfig,
     HfConfig,
+    KvCache,
     LlamaConfig,
     MaskedConfig,
     MlpConfig,
@@ -21,6 +24,7 @@ from exporter.config import (
 )
 from exporter.errors import ConfigError
 from exporter.models.bundle import (
+    Decoder,
     DynamicDim,
     ModelBundle,
     ModelDeclaration,
@@ -44,6 +48,7 @@ _BUILDERS: dict[type[ModelConfig], str] = {
 }
 
 __all__ = [
+    "Decoder",
     "DynamicDim",
     "ModelBundle",
     "ModelDeclaration",
@@ -65,7 +70,7 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
     # same in every process, as the cache and the goldens need.
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        declaration = importlib.import_module(builder(cfg)).declare(cfg)
+        declaration = importlib.import_module(builder(cfg)).declare(_with_cache_slots(cfg, dynamic))
     dtype = torch_dtype(cfg.dtype)
     make_inputs = declaration.make_inputs
 
@@ -82,7 +87,19 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
         dims=_bound_dims(cfg.name, declaration, dynamic),
         make_inputs=make_inputs_at_dtype,
         logits_outputs=declaration.logits_outputs,
+        decoder=declaration.decoder,
+        export_strict=declaration.export_strict,
     )
+
+
+def _with_cache_slots(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelConfig:
+    """A causal LM with `model.kv_cache=static` and no `model.max_cache_len` gets the seq bound's
+    max as its cache's slots: the longest prefill fills the cache."""
+    if not isinstance(cfg, CausalLmConfig) or cfg.kv_cache is KvCache.none:
+        return cfg
+    if cfg.max_cache_len is not None or "seq" not in dynamic:
+        return cfg
+    return dataclasses.replace(cfg, max_cache_len=dynamic["seq"].max)
 
 
 def _bound_dims(

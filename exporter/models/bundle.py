@@ -30,6 +30,21 @@ InputMaker = Callable[[Mapping[str, int], int], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
+class Decoder:
+    """What a causal LM exported with a static KV cache tells the stages after it: the cache's
+    slots, the vocabulary, its layers, the checkpoint's BOS and EOS tokens where it has them, and
+    the same model without a cache (token ids -> logits over the whole sequence), which the
+    float64 oracle runs so that it shares no code with the cache."""
+
+    max_cache_len: int
+    vocab_size: int
+    layers: int
+    uncached: torch.nn.Module
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelBundle:
     name: str
     module: torch.nn.Module
@@ -39,6 +54,10 @@ class ModelBundle:
     make_inputs: InputMaker
     # The outputs that are next-token logits (vocabulary on the last axis): a causal LM's.
     logits_outputs: tuple[str, ...] = ()
+    # A causal LM with a static KV cache: validated by sessions of prefill and decode steps.
+    decoder: Decoder | None = None
+    # Export with torch.export's strict (TorchDynamo) tracing.
+    export_strict: bool = False
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
@@ -60,6 +79,8 @@ class ModelDeclaration:
     # The outputs that are next-token logits (vocabulary on the last axis), whose predictions
     # validation measures beside their values (top-1 agreement, KL divergence).
     logits_outputs: tuple[str, ...] = ()
+    decoder: Decoder | None = None
+    export_strict: bool = False
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

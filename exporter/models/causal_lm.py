@@ -1,4 +1,7 @@
-"""What transformers' causal LMs share: token ids [1, seq] -> logits [1, seq, vocab]."""
+"""What transformers' causal LMs share: token ids [1, seq] -> logits [1, seq, vocab], or with a
+static KV cache, token ids [1, seq] and their cache positions [seq] -> logits, the cache held as
+mutable buffers of the program (the signature of ExecuTorch's LLM runners and
+optimum-executorch)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,11 @@ from collections.abc import Mapping
 
 import torch
 from transformers import PreTrainedModel
+from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-from exporter.models.bundle import ModelDeclaration
+from exporter.config import CausalLmConfig, KvCache
+from exporter.errors import ConfigError
+from exporter.models.bundle import Decoder, ModelDeclaration
 
 
 class LogitsOnly(torch.nn.Module):
@@ -21,21 +27,96 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def declare_causal_lm(model: PreTrainedModel, max_positions: int | None) -> ModelDeclaration:
+class StaticCacheLM(TorchExportableModuleWithStaticCache):
+    """transformers' static-cache module for export: its cache layers' keys and values are the
+    module's buffers (key_cache_N, value_cache_N), so export makes them the program's mutable
+    buffers. Each call writes its keys and values at `cache_position`'s slots, which must follow
+    on from the call before within a session (a new session starts at 0)."""
+
+    def __init__(self, model: PreTrainedModel, max_cache_len: int) -> None:
+        model.generation_config.use_cache = True
+        model.generation_config.cache_implementation = "static"
+        super().__init__(model, batch_size=1, max_cache_len=max_cache_len, device="cpu")
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids=input_ids, cache_position=cache_position)
+
+    def _apply(self, fn, recurse=True):
+        # Moving or casting the module replaces its buffers; the cache layers computed with the
+        # tensors they were made with, which would no longer be the buffers export and the
+        # runtimes see.
+        super()._apply(fn, recurse)
+        for index, layer in enumerate(self.static_cache.layers):
+            layer.keys = self._buffers[f"key_cache_{index}"]
+            layer.values = self._buffers[f"value_cache_{index}"]
+            layer.cumulative_length = self._buffers[f"cumulative_length_{index}"]
+            layer.device = layer.keys.device
+        return self
+
+
+def declare_causal_lm(
+    model: PreTrainedModel, max_positions: int | None, max_cache_len: int | None = None
+) -> ModelDeclaration:
     """`model` behind LogitsOnly, fed token ids drawn from its vocabulary; `max_positions` bounds
-    `seq` (None: the model sets no limit of its own)."""
+    `seq` (None: the model sets no limit of its own). With `max_cache_len`, behind StaticCacheLM
+    with that many cache slots instead: the inputs are a prefill from position 0."""
     vocab_size = model.config.vocab_size
+    if max_cache_len is None:
 
-    def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+        def make_inputs(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+            generator = torch.Generator().manual_seed(seed)
+            return (torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator),)
+
+        return ModelDeclaration(
+            module=LogitsOnly(model).eval(),
+            input_names=("input_ids",),
+            output_names=("logits",),
+            dim_axes={"seq": (("input_ids", 1),)},
+            dim_limits={} if max_positions is None else {"seq": max_positions},
+            make_inputs=make_inputs,
+            logits_outputs=("logits",),
+        )
+
+    def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator),)
+        tokens = torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator)
+        return tokens, torch.arange(sizes["seq"])
 
+    if max_positions is not None and max_cache_len > max_positions:
+        raise ConfigError(
+            f"model.max_cache_len is {max_cache_len}, beyond the model's {max_positions} "
+            f"positions; allowed: 2..{max_positions}."
+        )
     return ModelDeclaration(
-        module=LogitsOnly(model).eval(),
-        input_names=("input_ids",),
+        module=StaticCacheLM(model, max_cache_len).eval(),
+        input_names=("input_ids", "cache_position"),
         output_names=("logits",),
-        dim_axes={"seq": (("input_ids", 1),)},
-        dim_limits={} if max_positions is None else {"seq": max_positions},
-        make_inputs=make_inputs,
+        dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
+        dim_limits={"seq": max_cache_len},
+        make_inputs=make_prefill,
         logits_outputs=("logits",),
+        decoder=Decoder(
+            max_cache_len=max_cache_len,
+            vocab_size=vocab_size,
+            layers=model.config.get_text_config().num_hidden_layers,
+            uncached=LogitsOnly(model).eval(),
+            bos_id=model.config.bos_token_id,
+            eos_ids=_eos_ids(model.config.eos_token_id),
+        ),
+        # The cache's in-place writes become mutable buffers only in strict export (torch
+        # 2.14: non-strict export keeps them out of the program's signature, and lowering then
+        # fails).
+        export_strict=True,
     )
+
+
+def cache_slots(cfg: CausalLmConfig) -> int | None:
+    """The cache's slots where the model is exported with one (models.build filled in the
+    default), else None."""
+    return cfg.max_cache_len if cfg.kv_cache is KvCache.static else None
+
+
+def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(eos)

@@ -15,7 +15,7 @@ from transformers.models.auto.modeling_auto import (
 from exporter.config import HfConfig, hf_checkpoint
 from exporter.errors import ConfigError
 from exporter.models.bundle import ModelDeclaration, torch_dtype
-from exporter.models.causal_lm import declare_causal_lm
+from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
 
 def declare(cfg: HfConfig) -> ModelDeclaration:
@@ -24,7 +24,9 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     model = load(directory, config, torch_dtype(cfg.dtype))
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
-    return declare_causal_lm(model, getattr(config, "max_position_embeddings", None))
+    return declare_causal_lm(
+        model, getattr(config, "max_position_embeddings", None), cache_slots(cfg)
+    )
 
 
 def read_config(directory: Path) -> PretrainedConfig:

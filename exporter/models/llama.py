@@ -14,7 +14,7 @@ from exporter.config import LlamaConfig
 from exporter.errors import ConfigError
 from exporter.models import hf
 from exporter.models.bundle import ModelDeclaration, torch_dtype
-from exporter.models.causal_lm import declare_causal_lm
+from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
@@ -23,7 +23,7 @@ def declare(cfg: LlamaConfig) -> ModelDeclaration:
         model = _load_checkpoint(Path(cfg.checkpoint), dtype)
     else:
         model = _random_model(cfg, dtype)
-    return declare_causal_lm(model, model.config.max_position_embeddings)
+    return declare_causal_lm(model, model.config.max_position_embeddings, cache_slots(cfg))
 
 
 def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:

@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -15,6 +16,7 @@ from exporter.errors import RuntimeFailed
 from exporter.process import interrupts, memory
 from runtimes import Loaded, verdict
 from runtimes.verdict import Report, Tolerances, judge
+from runtimes.verdict import sessions as session_verdict
 from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, execution_line
 from runtimes.verdict.shapes import LiveShape, executions, label
@@ -31,6 +33,8 @@ def run(
     goldens: Goldens,
     tolerances: Tolerances,
 ) -> Report:
+    if goldens.sessions:
+        return _sessions(output_names, load, shapes, goldens, tolerances)
     order = executions(shapes)
     log.info(
         "[validate] %d live shapes (%s), %d executions, %s",
@@ -62,3 +66,42 @@ def run(
             )
         except verdict.ArtifactFailed as error:
             raise RuntimeFailed(str(error)) from error
+
+
+def _sessions(
+    output_names: Sequence[str],
+    load: Callable[[], Loaded],
+    shapes: Sequence[LiveShape],
+    goldens: Goldens,
+    tolerances: Tolerances,
+) -> Report:
+    """A model with a KV cache: its sessions on one loaded instance, every step run and the
+    sampled ones judged, then the greedy generation (runtimes/verdict/sessions.py)."""
+    log.info(
+        "[validate] %d sessions of prefill and decode to the cache's last slot (prefills %s), "
+        "%d steps judged, %s",
+        len(goldens.sessions),
+        ", ".join(str(s["prefill"]) for s in goldens.sessions),
+        len(shapes),
+        tolerances.describe(),
+    )
+    bar = tqdm(total=len(shapes), desc="validate", unit="step", disable=None, file=sys.stdout)
+
+    def after_each(number: int, execution: Execution) -> None:
+        log.info("[validate] %s", execution_line(number, len(shapes), execution))
+        bar.update()
+        interrupts.check()
+
+    def judged(outputs: Sequence[torch.Tensor], shape: LiveShape) -> tuple:
+        return judge(output_names, outputs, shape, goldens, tolerances)
+
+    with logging_redirect_tqdm(), bar:
+        try:
+            report = session_verdict.run(
+                output_names, load, goldens, tolerances, judged, after_each
+            )
+        except verdict.ArtifactFailed as error:
+            raise RuntimeFailed(str(error)) from error
+    if report.generation is not None:
+        log.info("[validate] %s", report.generation.line())
+    return report

@@ -13,16 +13,12 @@ import torch
 
 from runtimes import Loaded
 from runtimes.verdict.compare import OutputStats, Tolerances, compare
+from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, Report
 from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, label
 
 __all__ = ["ArtifactFailed", "Report", "Tolerances", "judge", "run"]
-
-
-class ArtifactFailed(Exception):
-    """The artifact raised at an execution, or returned another number of outputs than the
-    model's."""
 
 
 def run(

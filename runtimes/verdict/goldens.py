@@ -40,6 +40,11 @@ class Goldens:
     # Per output, flat as the cases' outputs: whether it holds next-token logits on its last
     # axis, whose predictions validation measures (goldens written before this field: none).
     logits: tuple[bool, ...] = ()
+    # A model with a KV cache: its sessions, run in order on one loaded instance, and the greedy
+    # generation the artifact is compared on (runtimes/verdict/sessions.py says what they hold).
+    # The cases are then the sessions' judged steps, by their labels.
+    sessions: tuple[dict, ...] = ()
+    greedy: dict | None = None
 
     def is_logits(self, index: int) -> bool:
         return bool(self.logits) and self.logits[index]

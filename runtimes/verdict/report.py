@@ -65,6 +65,63 @@ class ShapeResult:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """Greedy tokens generated from one prompt by the artifact, eager at the model's dtype with
+    the same cache, and the float64 oracle recomputing the whole prefix; where each parts from
+    the oracle's (None: nowhere)."""
+
+    prompt: list[int]
+    artifact: list[int]
+    eager: list[int]
+    oracle: list[int]
+
+    @property
+    def artifact_parts_at(self) -> int | None:
+        return _parts_at(self.artifact, self.oracle)
+
+    @property
+    def eager_parts_at(self) -> int | None:
+        return _parts_at(self.eager, self.oracle)
+
+    @property
+    def artifact_parts_from_eager_at(self) -> int | None:
+        return _parts_at(self.artifact, self.eager)
+
+    def line(self) -> str:
+        def said(at: int | None) -> str:
+            return "all agree" if at is None else f"first differs at token {at}"
+
+        return (
+            f"greedy {len(self.oracle)} tokens from a {len(self.prompt)}-token prompt: artifact "
+            f"vs oracle {said(self.artifact_parts_at)}; eager vs oracle "
+            f"{said(self.eager_parts_at)}; artifact vs eager "
+            f"{said(self.artifact_parts_from_eager_at)}"
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "artifact": self.artifact,
+            "eager": self.eager,
+            "oracle": self.oracle,
+            "artifact_parts_from_oracle_at": self.artifact_parts_at,
+            "eager_parts_from_oracle_at": self.eager_parts_at,
+            "artifact_parts_from_eager_at": self.artifact_parts_from_eager_at,
+        }
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> Generation:
+        return cls(payload["prompt"], payload["artifact"], payload["eager"], payload["oracle"])
+
+
+def _parts_at(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    for index, (token, expected) in enumerate(zip(tokens, reference, strict=False)):
+        if token != expected:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+@dataclass(frozen=True)
 class Report:
     tolerances: Tolerances
     output_names: tuple[str, ...]
@@ -72,6 +129,8 @@ class Report:
     executions: tuple[Execution, ...]
     # What the loaded artifact ran on, as its runtime names it (a wgpu adapter's name).
     target: Mapping[str, str] = field(default_factory=dict)
+    # A model with a KV cache: its greedy generation beside eager's and the oracle's.
+    generation: Generation | None = None
 
     @property
     def passed(self) -> bool:
@@ -190,6 +249,7 @@ class Report:
                 **asdict(self.tolerances),
                 "outputs": list(self.output_names),
                 "target": dict(self.target),
+                **({"greedy": self.generation.to_json()} if self.generation else {}),
                 "shapes": [
                     {
                         "shape": result.shape,
@@ -235,6 +295,7 @@ class Report:
             tuple(result["shape"] for result in payload["shapes"]),
             executions,
             dict(payload["target"]),
+            Generation.from_json(payload["greedy"]) if "greedy" in payload else None,
         )
 
 

@@ -54,6 +54,24 @@ def lowered_to_pte(
     node, with `why_on_cpu` for the nodes left out, and lists `wrong_kernels_avoided`, the
     nodes the program was rewritten at before. `edge_passes` rewrite the edge program before it
     is partitioned."""
+    # Without autograd: a program loaded from program.pt2 whose buffers it writes in place (a
+    # KV cache) fails ExecuTorch's passes, which run the graph, as "a leaf Variable that
+    # requires grad is being used in an in-place operation".
+    with torch.no_grad():
+        return _lowered_to_pte(
+            exported, partitioner, why_on_cpu, target, out_dir, edge_passes, wrong_kernels_avoided
+        )
+
+
+def _lowered_to_pte(
+    exported: Exported,
+    partitioner: Any,
+    why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
+    target: Output,
+    out_dir: Path,
+    edge_passes: Sequence[Callable[[torch.fx.GraphModule], Any]],
+    wrong_kernels_avoided: Sequence[WrongKernelAvoided],
+) -> Artifact:
     try:
         data_file = target.data_file
         # ExecuTorch names a data file after the tag its constants carry: "model" -> model.ptd.

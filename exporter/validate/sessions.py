@@ -1,0 +1,164 @@
+"""The goldens of a model with a KV cache: the plan of sessions, the float64 oracle's logits at
+their judged steps, eager at the model's dtype running the same sessions with the same cache,
+and a greedy generation by both (runtimes/verdict/sessions.py runs and judges the artifact).
+
+The oracle is the model without a cache (`Decoder.uncached`): one float64 call over a whole
+session's tokens gives the logits of every position, since a causal LM's logits at a position
+depend on the tokens up to it only. It shares no code with the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import zlib
+
+import torch
+
+from exporter.errors import GoldensFailed
+from exporter.models import Decoder, DynamicDim, ModelBundle
+from exporter.validate.oracle import float64_weights
+from runtimes.verdict import sessions
+from runtimes.verdict.compare import EagerError, reference_error
+from runtimes.verdict.goldens import Goldens, stored
+from runtimes.verdict.shapes import label
+
+log = logging.getLogger(__name__)
+
+# The prompt of the greedy generation, at most: a chat turn's start.
+_PROMPT_TOKENS = 8
+
+
+def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dict]:
+    """The sessions, in the order they run: prefills of seq's min (the longest decode), an odd
+    length in the middle and its max, each then decoding one token at a time to the last cache
+    slot. Each judges its first decode step, the last slot and `sampled` positions between,
+    spread evenly with one seeded draw among them."""
+    rng = random.Random(seed)
+    slots = decoder.max_cache_len
+    middle = (seq.min + seq.max) // 2
+    middle += 1 - middle % 2
+    prefills = list(
+        dict.fromkeys(min(max(p, seq.min), seq.max) for p in (seq.min, middle, seq.max))
+    )
+    planned = []
+    for index, prefill in enumerate(prefills):
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:session{index}".encode()))
+        tokens = torch.randint(0, decoder.vocab_size, (slots,), generator=generator)
+        decode = range(prefill, slots)
+        chosen: set[int] = set()
+        if decode:
+            chosen = {decode[0], decode[-1]}
+            count = min(sampled, len(decode))
+            chosen |= {decode[(i * (len(decode) - 1)) // max(count, 1)] for i in range(count)}
+            chosen.add(rng.choice(decode))
+        planned.append({"tokens": tokens, "prefill": prefill, "judged": sorted(chosen)})
+    return planned
+
+
+def compute(
+    bundle: ModelBundle, planned: list[dict], greedy_tokens: int, reference_device: str
+) -> Goldens:
+    decoder = bundle.decoder
+    assert decoder is not None
+    oracle = [_oracle(decoder, session["tokens"]) for session in planned]
+    cases = {}
+    for index, session in enumerate(planned):
+        for shape in sessions.judged(index, session):
+            start, count = shape["pos"], shape["seq"]
+            expected = oracle[index][:, start : start + count]
+            cases[label(shape)] = (sessions.step_inputs(session, shape), [expected])
+    reference, dtype, eager_tokens, prompt = _reference(
+        bundle.module, planned, cases, reference_device, greedy_tokens
+    )
+    greedy = None
+    if greedy_tokens:
+        greedy = {
+            "prompt": prompt,
+            "eager": eager_tokens,
+            "oracle": _oracle_greedy(decoder, prompt, len(eager_tokens)),
+        }
+    kept = {
+        key: (inputs, [stored(expected[0], dtype)]) for key, (inputs, expected) in cases.items()
+    }
+    return Goldens(
+        kept,
+        (dtype,),
+        reference,
+        reference_device,
+        (True,),
+        sessions=tuple(planned),
+        greedy=greedy,
+    )
+
+
+def _oracle(decoder: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of every position of `tokens` in float64, from the model without a cache."""
+    try:
+        with torch.no_grad(), float64_weights(decoder.uncached):
+            return decoder.uncached(tokens.unsqueeze(0)).to(torch.float64)
+    except Exception as error:
+        raise GoldensFailed(
+            f"the float64 oracle (the model without its cache, in float64) could not run: "
+            f"{type(error).__name__}: {error}."
+        ) from error
+
+
+def _oracle_greedy(decoder: Decoder, prompt: torch.Tensor, count: int) -> list[int]:
+    """Greedy tokens from the float64 oracle, each from the whole prefix recomputed."""
+    tokens = prompt.tolist()
+    generated = []
+    for _ in range(count):
+        logits = _oracle(decoder, torch.tensor(tokens))
+        generated.append(int(logits[0, -1].argmax()))
+        tokens.append(generated[-1])
+    return generated
+
+
+def _reference(
+    module: torch.nn.Module,
+    planned: list[dict],
+    cases: dict,
+    device: str,
+    greedy_tokens: int,
+) -> tuple[dict[str, list[EagerError]], torch.dtype, list[int], torch.Tensor]:
+    """Eager at the model's dtype on `device`, its cache a buffer of the module, running the
+    sessions as the artifact will: its error at every judged step, its logits' dtype, and its
+    greedy tokens from the first session's first tokens. The module returns to the CPU after,
+    where export reads it."""
+    on_device = module.to(device)
+    reference: dict[str, list[EagerError]] = {}
+    dtype = torch.float32
+    slots = len(planned[0]["tokens"])
+
+    def call(tokens: torch.Tensor, start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + tokens.shape[-1], device=device)
+        with torch.no_grad():
+            return on_device(tokens.to(device), positions).cpu()
+
+    try:
+        for index, session in enumerate(planned):
+            for shape in sessions.steps(index, session):
+                tokens, _ = sessions.step_inputs(session, shape)
+                logits = call(tokens, shape["pos"])
+                dtype = logits.dtype
+                if label(shape) in cases:
+                    expected = cases[label(shape)][1][0]
+                    reference[label(shape)] = [reference_error(logits, expected, True)]
+        prompt = planned[0]["tokens"][: min(_PROMPT_TOKENS, slots - 1)]
+        count = min(greedy_tokens, slots - prompt.shape[0])
+        eager_tokens = sessions.greedy(call, prompt, count) if count else []
+    except Exception as error:
+        raise GoldensFailed(
+            f"eager PyTorch at the model's dtype could not run its sessions on {device}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    finally:
+        module.to("cpu")
+    log.info(
+        "[goldens] %d sessions, %d judged steps, greedy %d tokens",
+        len(planned),
+        len(cases),
+        len(eager_tokens),
+    )
+    return reference, dtype, eager_tokens, prompt
