@@ -1,4 +1,6 @@
-"""The validation report: every execution's statistics, the worst per live shape, and a table."""
+"""The validation report: every execution's statistics, the worst per live shape, and a table;
+for a model with a KV cache, the same per session and step (the step's shape names its session,
+position and tokens: `session=0,pos=7,seq=1`)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,30 @@ class Generation:
             f"{said(self.artifact_parts_from_eager_at)}"
         )
 
+    def agreement(self) -> dict[str, int]:
+        """How many greedy tokens two generations share before they part (all of them where they
+        never do): the artifact's with the oracle's, eager's with the oracle's, the artifact's
+        with eager's."""
+        return {
+            "artifact_vs_oracle": _agreed(self.artifact_parts_at, self.oracle),
+            "eager_vs_oracle": _agreed(self.eager_parts_at, self.oracle),
+            "artifact_vs_eager": _agreed(self.artifact_parts_from_eager_at, self.eager),
+        }
+
+    def summary(self) -> str:
+        """The generation in a line short enough to close a job with: `greedy 16 tokens: the
+        artifact's agree with the oracle's on all 16, eager's on the first 9`."""
+        count = len(self.oracle)
+
+        def on(agreed: int) -> str:
+            return f"all {count}" if agreed == count else f"the first {agreed}"
+
+        agreed = self.agreement()
+        return (
+            f"greedy {count} tokens: the artifact's agree with the oracle's on "
+            f"{on(agreed['artifact_vs_oracle'])}, eager's on {on(agreed['eager_vs_oracle'])}"
+        )
+
     def to_json(self) -> dict:
         return {
             "prompt": self.prompt,
@@ -114,11 +140,49 @@ class Generation:
         return cls(payload["prompt"], payload["artifact"], payload["eager"], payload["oracle"])
 
 
+def _agreed(parts_at: int | None, reference: Sequence[int]) -> int:
+    return len(reference) if parts_at is None else parts_at
+
+
 def _parts_at(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
     for index, (token, expected) in enumerate(zip(tokens, reference, strict=False)):
         if token != expected:
             return index
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+@dataclass(frozen=True)
+class Session:
+    """A session of a model with a KV cache as it ran: its prefill's length and its calls, the
+    prefill then one decode step per slot left (only some of them judged)."""
+
+    prefill: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class SessionResult:
+    """A session's verdict: its judged steps' results, position order."""
+
+    number: int
+    session: Session
+    judged: tuple[ShapeResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(result.passed for result in self.judged)
+
+    def worst_ratio_at(self) -> tuple[float, int] | None:
+        """The largest error ratio over the judged steps, and its step's position; None where no
+        step measured one."""
+        measured = [r for r in self.judged if not math.isnan(r.stats["ratio"])]
+        if not measured:
+            return None
+        worst = max(measured, key=lambda result: result.stats["ratio"])
+        return worst.stats["ratio"], worst.shape["pos"]
+
+    def worst(self, stat: str) -> float:
+        return _worst(result.stats[stat] for result in self.judged)
 
 
 @dataclass(frozen=True)
@@ -129,8 +193,10 @@ class Report:
     executions: tuple[Execution, ...]
     # What the loaded artifact ran on, as its runtime names it (a wgpu adapter's name).
     target: Mapping[str, str] = field(default_factory=dict)
-    # A model with a KV cache: its greedy generation beside eager's and the oracle's.
+    # A model with a KV cache: its greedy generation beside eager's and the oracle's, and its
+    # sessions in the order they ran (their judged steps are `shapes`).
     generation: Generation | None = None
+    sessions: tuple[Session, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -152,6 +218,18 @@ class Report:
                 )
             )
         return results
+
+    def by_session(self) -> list[SessionResult]:
+        """Each session's judged steps' results (none for a model without a KV cache)."""
+        results = self.by_shape()
+        return [
+            SessionResult(
+                number,
+                session,
+                tuple(r for r in results if r.shape.get("session") == number),
+            )
+            for number, session in enumerate(self.sessions)
+        ]
 
     def worst(self, stat: str) -> float:
         pick = _least if stat in AGREEMENT_STATS else _worst
@@ -220,7 +298,10 @@ class Report:
 
     def table(self) -> str:
         """The statistics per live shape; for next-token logits, what they predict too, and a
-        line under the table for the shapes that passed by their predictions alone."""
+        line under the table for the shapes that passed by their predictions alone. A model
+        with a KV cache: a row per session instead (report.json has every judged step)."""
+        if self.sessions:
+            return self._sessions_table()
         stats = TABLE_STATS + (PREDICTION_STATS if self.predicts else ())
         results = self.by_shape()
         rows = [
@@ -242,6 +323,59 @@ class Report:
             )
         return table
 
+    def _sessions_table(self) -> str:
+        """A row per session: its prefill, its steps run and judged, its worst error ratio and
+        at which position, its worst max_abs beside eager's, and its verdict."""
+        rows = []
+        for result in self.by_session():
+            worst = result.worst_ratio_at()
+            rows.append(
+                [
+                    result.number,
+                    result.session.prefill,
+                    result.session.steps,
+                    len(result.judged),
+                    "nan" if worst is None else f"{worst[0]:.3g}",
+                    "-" if worst is None else worst[1],
+                    f"{result.worst('max_abs'):.3g}",
+                    f"{result.worst('ref_max_abs'):.3g}",
+                    "ok" if result.passed else "FAIL",
+                ]
+            )
+        headers = ["session", "prefill", "steps", "judged", "worst ratio", "at pos", "max_abs"]
+        table = _table([*headers, "eager max_abs", "verdict"], rows)
+        return table + "\n(every judged step: report.json's sessions)"
+
+    def _sessions_json(self) -> list[dict]:
+        """report.json's sessions: each with its judged steps' figures, position order."""
+        sessions = []
+        for result in self.by_session():
+            worst = result.worst_ratio_at()
+            sessions.append(
+                {
+                    "session": result.number,
+                    "prefill": result.session.prefill,
+                    "steps_run": result.session.steps,
+                    "steps_judged": len(result.judged),
+                    "passed": result.passed,
+                    "worst_ratio": None if worst is None else worst[0],
+                    "worst_ratio_at": None if worst is None else worst[1],
+                    "worst_max_abs": result.worst("max_abs"),
+                    "worst_ref_max_abs": result.worst("ref_max_abs"),
+                    "steps": [
+                        {
+                            "position": step.shape["pos"],
+                            "tokens": step.shape["seq"],
+                            **step.stats,
+                            "passed": step.passed,
+                            "by_distribution": step.by_distribution,
+                        }
+                        for step in result.judged
+                    ],
+                }
+            )
+        return sessions
+
     def to_json(self) -> dict:
         return json_safe(
             {
@@ -250,6 +384,7 @@ class Report:
                 "outputs": list(self.output_names),
                 "target": dict(self.target),
                 **({"greedy": self.generation.to_json()} if self.generation else {}),
+                **({"sessions": self._sessions_json()} if self.sessions else {}),
                 "shapes": [
                     {
                         "shape": result.shape,
@@ -296,6 +431,9 @@ class Report:
             executions,
             dict(payload["target"]),
             Generation.from_json(payload["greedy"]) if "greedy" in payload else None,
+            tuple(
+                Session(int(s["prefill"]), int(s["steps_run"])) for s in payload.get("sessions", ())
+            ),
         )
 
 

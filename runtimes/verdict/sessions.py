@@ -25,7 +25,7 @@ from runtimes import Loaded
 from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.goldens import Goldens
-from runtimes.verdict.report import Execution, Generation, Report
+from runtimes.verdict.report import Execution, Generation, Report, Session
 from runtimes.verdict.shapes import SAME_INSTANCE, LiveShape, label
 
 
@@ -79,6 +79,20 @@ def judged(session: int, plan: dict) -> list[LiveShape]:
     """The calls of the session compared with the goldens: its prefill and its sampled steps."""
     positions = {0, *(int(p) for p in plan["judged"])}
     return [s for s in steps(session, plan) if s["pos"] in positions]
+
+
+def outline(sessions: Sequence[dict]) -> list[dict]:
+    """The sessions as a bundle's manifest lists them: each one's prefill, its calls and the
+    positions judged."""
+    return [
+        {
+            "session": number,
+            "prefill": int(plan["prefill"]),
+            "steps": len(steps(number, plan)),
+            "judged": [shape["pos"] for shape in judged(number, plan)],
+        }
+        for number, plan in enumerate(sessions)
+    ]
 
 
 def step_inputs(plan: dict, shape: LiveShape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,4 +175,8 @@ def run(
         tuple(done),
         target,
         generation=generation,
+        sessions=tuple(
+            Session(int(plan["prefill"]), len(steps(number, plan)))
+            for number, plan in enumerate(goldens.sessions)
+        ),
     )
