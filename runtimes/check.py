@@ -2,16 +2,17 @@
 on a target that has only its bundle (runtimes/formats/bundle.py), torch, the artifact's runtime
 package and this package.
 
-It runs the bundle's plan as the job's validate stage does (runtimes/verdict/), prints a line
-per execution and the same table, and writes the same report.json, with a `check` section that
-says where it ran and which run the bundle came from; `python -m exporter track report=PATH`
-attaches that report to the run. What native libraries print (ExecuTorch's C++ log lines) goes
-to native.log beside the report, not to the terminal. It imports nothing of the exporter, the
-model's libraries, Hydra or MLflow.
+It runs the bundle's plan as the job's validate stage does (runtimes/verdict/; a model with a KV
+cache: its sessions on one loaded instance, runtimes/verdict/sessions.py), prints a line per
+execution (judged step) and the same table, and writes the same report.json, with a `check`
+section that says where it ran and which run the bundle came from; `python -m exporter track
+report=PATH` attaches that report to the run. What native libraries print (ExecuTorch's C++ log
+lines) goes to native.log beside the report, not to the terminal. It imports nothing of the
+exporter, the model's libraries, Hydra or MLflow.
 
-Exit codes: 0 every live shape passed, 1 one failed, 2 the bundle is incomplete or a file does
-not match its checksum (the message names the file), or the report cannot be written where
-asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
+Exit codes: 0 every live shape (judged step) passed, 1 one failed, 2 the bundle is incomplete
+or a file does not match its checksum (the message names the file), or the report cannot be
+written where asked, 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,15 +25,20 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from runtimes import Loaded, load, native_log, packages, verdict
 from runtimes.files import atomic_path
 from runtimes.formats.bundle import Bundle, BundleInvalid, read, versions
+from runtimes.verdict import sessions
+from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
+from runtimes.verdict.shapes import LiveShape
 
 PASSED, FAILED, BAD_BUNDLE, RUNTIME_FAILED, STOPPED = 0, 1, 2, 5, 130
 REPORT_FILE = "report.json"
@@ -51,8 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_path = Path(args.report) if args.report else folder / REPORT_FILE
     print(f"[check] bundle {folder} ({bundle.total_bytes / 1e6:.1f} MB), {_source(bundle)}")
     print(
-        f"[check] {bundle.artifact} on runtime {bundle.runtime}, device {device}; "
-        f"{len(bundle.shapes)} live shapes, {len(bundle.executions)} executions, "
+        f"[check] {bundle.artifact} on runtime {bundle.runtime}, device {device}; {_plan(bundle)}, "
         f"{bundle.tolerances.describe()}"
     )
     kind = device.split(":")[0]
@@ -78,15 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     writable = report_path.parent.is_dir() and os.access(report_path.parent, os.W_OK)
     try:
         with native_log.routed_to(native) if writable else contextlib.nullcontext():
-            report = verdict.run(
-                bundle.output_names,
-                load_artifact,
-                bundle.shapes,
-                bundle.executions,
-                goldens,
-                bundle.tolerances,
-                after_each,
-            )
+            report = _run(bundle, goldens, load_artifact, after_each)
     except KeyboardInterrupt:
         print("[check] stopped by Ctrl-C; no report written", file=sys.stderr)
         return STOPPED
@@ -95,12 +92,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload = _check(bundle, device, started, RUNTIME_FAILED, str(error))
         return _written(report_path, payload) or RUNTIME_FAILED
     code = PASSED if report.passed else FAILED
-    print(f"[check] verdict per live shape:\n{report.table()}")
+    per = "session" if report.sessions else "live shape"
+    print(f"[check] verdict per {per}:\n{report.table()}")
+    if report.generation:
+        print(f"[check] {report.generation.line()}")
     if report.passed:
-        print(f"[check] passed at all {len(report.shapes)} live shapes")
+        judged = "judged steps" if report.sessions else "live shapes"
+        print(f"[check] passed at all {len(report.shapes)} {judged}")
     else:
         print(f"[check] FAILED: {report.failure_message()}")
     return _written(report_path, _check(bundle, device, started, code, None, report)) or code
+
+
+def _plan(bundle: Bundle) -> str:
+    """What the check runs: `7 live shapes, 13 executions`, or for a model with a KV cache `3
+    sessions (prefills 1, 9, 16; 31 steps), 18 judged`."""
+    if not bundle.sessions:
+        return f"{len(bundle.shapes)} live shapes, {len(bundle.executions)} executions"
+    prefills = ", ".join(str(s["prefill"]) for s in bundle.sessions)
+    steps = sum(s["steps"] for s in bundle.sessions)
+    return (
+        f"{len(bundle.sessions)} sessions (prefills {prefills}; {steps} steps), "
+        f"{len(bundle.shapes)} judged"
+    )
+
+
+def _run(
+    bundle: Bundle,
+    goldens: Goldens,
+    load_artifact: Callable[[], Loaded],
+    after_each: Callable[[int, Execution], None],
+) -> Report:
+    """The bundle's plan run and judged: its executions, or its goldens' sessions in order on
+    one instance."""
+    if not goldens.sessions:
+        return verdict.run(
+            bundle.output_names,
+            load_artifact,
+            bundle.shapes,
+            bundle.executions,
+            goldens,
+            bundle.tolerances,
+            after_each,
+        )
+
+    def judged(outputs: Sequence[torch.Tensor], shape: LiveShape) -> tuple:
+        return verdict.judge(bundle.output_names, outputs, shape, goldens, bundle.tolerances)
+
+    return sessions.run(
+        bundle.output_names, load_artifact, goldens, bundle.tolerances, judged, after_each
+    )
 
 
 class _LoadFailed(Exception):

@@ -13,6 +13,8 @@ artifact's weights (carried by the artifact as `Artifact.audit`):
 
 A parameter the audit cannot find is unseen, with why, and does not fail the audit; a
 parameter whose constant differs does (exporter/audit/matching.py says how they are tied).
+Buffers the program writes as it runs (a KV cache's keys, values and fill counters) are state,
+not weights: the audit skips them and says so.
 Constants are compared on the host, wherever the artifact or the model ran.
 
 Composing a config imports every backend's declaration, and so this package and its readers:
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -38,11 +40,16 @@ if TYPE_CHECKING:
 __all__ = ["Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
 
 
-def audit(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
+def audit(
+    artifact: Artifact, weights: Mapping[str, torch.Tensor], state: Collection[str] = ()
+) -> WeightsAudit:
     """Checks the constants of `artifact` against `weights`, the model's parameters and buffers
-    by fully qualified name."""
+    by fully qualified name, but for `state`: the buffers the program writes as it runs, whose
+    values in the artifact are where a session starts, not the model's."""
     import torch
 
+    skipped = tuple(name for name in weights if name in state)
+    weights = {name: w for name, w in weights.items() if name not in state}
     # The host's copies: a program exported on the GPU holds its weights there.
     tensors = {name: w.detach().cpu() for name, w in weights.items() if isinstance(w, torch.Tensor)}
     runtime = str(artifact.runtime)
@@ -58,4 +65,4 @@ def audit(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAud
         for name, w in weights.items()
         if name not in tensors
     )
-    return replace(result, unseen=result.unseen + objects) if objects else result
+    return replace(result, unseen=result.unseen + objects, state=skipped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,8 @@ class WeightsAudit:
     mismatched: tuple[Mismatch, ...]
     unseen: tuple[Unseen, ...]
     corrupted: tuple[Corrupted, ...] = ()
+    # The buffers skipped as state the program writes as it runs (a KV cache), not weights.
+    state: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -115,6 +118,7 @@ class WeightsAudit:
             ],
             "unseen": [u.parameter for u in self.unseen],
             "unseen_why": {u.parameter: u.why for u in self.unseen},
+            "skipped_state": list(self.state),
             "corrupted": [{"where": c.where, "nbytes": c.nbytes} for c in self.corrupted],
             "checked_at": {c.parameter: f"{c.where} ({c.how})" for c in self.checked},
         }
@@ -123,8 +127,15 @@ class WeightsAudit:
         verdict = "passed" if self.passed else "FAILED"
         lines = [
             f"weights audit {verdict}: {len(self.checked)} checked, {len(self.mismatched)} "
-            f"mismatched, {len(self.unseen)} unseen ({self.read})"
+            f"mismatched, {len(self.unseen)} unseen"
+            + (f", {len(self.state)} state buffers skipped" if self.state else "")
+            + f" ({self.read})"
         ]
+        if self.state:
+            lines.append(
+                f"  skipped: {_shown(self.state)}: the KV cache's buffers, state the program "
+                "writes as it runs, not weights"
+            )
         lines += [f"  mismatch: {m.describe()}" for m in self.mismatched]
         lines += [
             f"  corrupted: {c.where} ({c.nbytes} bytes) no longer hashes to its key"
@@ -134,6 +145,10 @@ class WeightsAudit:
         for u in self.unseen:
             by_reason.setdefault(u.why, []).append(u.parameter)
         for why, names in by_reason.items():
-            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            lines.append(f"  unseen: {shown}: {why}")
+            lines.append(f"  unseen: {_shown(names)}: {why}")
         return lines
+
+
+def _shown(names: Sequence[str]) -> str:
+    """The first four names, and how many more."""
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -39,6 +39,7 @@ from exporter.files import write_json
 from exporter.job.produced import CacheUse, Produced
 from exporter.job.timing import Notify, stage
 from exporter.localize import repair
+from exporter.models.causal_lm import cache_buffers
 from exporter.process import memory, progress
 from exporter.tracking.record import JobRecord
 from exporter.validate import goldens, sessions
@@ -50,7 +51,8 @@ from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
 from runtimes.verdict.sessions import judged as judged_steps
-from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, executions, label
+from runtimes.verdict.sessions import outline
+from runtimes.verdict.shapes import NEW_INSTANCE, SAME_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,10 @@ class ProgramFile:
     profiles: tuple[export.shapes.InputProfile, ...]
     material: dict[str, Any]
     diagnosis: export.Diagnosis | None
+    # The program's buffers that it writes as it runs (a KV cache): state, which the weights
+    # audit skips. The program cannot say: torch.export keeps the cache's writes in place
+    # (index_copy_), and its signature lists no buffer mutation.
+    state: frozenset[str] = frozenset()
 
     @property
     def path(self) -> Path:
@@ -103,10 +109,12 @@ class Expected:
 class Lowered:
     """The lower stage's value: the artifact in the run dir, and the weights the audit checks
     its constants against (the exported program's as the stage loaded it, or the model's for a
-    given artifact), emptied by the audit, which runs before the artifact is loaded."""
+    given artifact), emptied by the audit, which runs before the artifact is loaded; `state`:
+    those of them that the program writes as it runs (a KV cache), which the audit skips."""
 
     artifact: Artifact
     weights: dict[str, torch.Tensor]
+    state: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -217,11 +225,12 @@ class _Sequence:
                 expected = _goldens(bundle, model_material, job, device, self.store)
         # A given artifact's constants are audited against the model's own weights.
         weights = models.weights(bundle.module) if program is None else {}
+        state = frozenset(cache_buffers(bundle.module))
         del bundle
         memory.release_freed()
         memory.spare_survivors()
         if program is None:
-            lowered = Lowered(self.backend.adopt(Path(job.artifact)), weights)
+            lowered = Lowered(self.backend.adopt(Path(job.artifact)), weights, state)
             log.info("[lower] skipped: validating the given artifact %s", lowered.artifact.path)
         else:
             with self.timed("lower"):
@@ -258,7 +267,8 @@ class _Sequence:
                 assert program is not None
                 lowered = self.repaired(program, expected)
             _repair_verdict(backend, produced)
-        log.info("[validate] passed at all %d live shapes", len(produced.report.shapes))
+        judged = "judged steps" if produced.report.sessions else "live shapes"
+        log.info("[validate] passed at all %d %s", len(produced.report.shapes), judged)
         return lowered
 
     def validated(self, lowered: Lowered, expected: Expected) -> None:
@@ -266,7 +276,7 @@ class _Sequence:
         the artifact is loaded), then its outputs judged; the audit is kept where running the
         artifact fails."""
         produced = self.produced
-        produced.weights_audit = audit.audit(lowered.artifact, lowered.weights)
+        produced.weights_audit = audit.audit(lowered.artifact, lowered.weights, lowered.state)
         lowered.weights.clear()
         memory.release_freed()
         produced.report = _validated(lowered.artifact, expected)
@@ -330,7 +340,8 @@ def _export(
     # The cache's entry stays; with the cache off, the staging folder went and the run dir's
     # links are the files.
     kept = folder if store.cache is not None else store.run_dir
-    return ProgramFile(kept, export.profiles(bundle), material, diagnosis)
+    state = frozenset(cache_buffers(bundle.module))
+    return ProgramFile(kept, export.profiles(bundle), material, diagnosis, state)
 
 
 def _goldens(
@@ -397,7 +408,7 @@ def _lower(
         # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
         backend.check_fallback(backend.lowered_in(folder))
         link_files(folder, store.run_dir)
-    return Lowered(backend.lowered_in(store.run_dir), weights)
+    return Lowered(backend.lowered_in(store.run_dir), weights, program.state)
 
 
 def _validated(artifact: Artifact, expected: Expected) -> validate.Report:
@@ -415,7 +426,8 @@ def _bundle(
     job: config.JobConfig, record: JobRecord, artifact: Artifact, expected: Expected
 ) -> bundles.Bundle:
     """bundle/ in the run dir: links to the artifact's files and the goldens (written there
-    when the cache is off), and the manifest that runs them on a target as this job will."""
+    when the cache is off), and the manifest that runs them on a target as this job will (a
+    model with a KV cache: by its sessions)."""
     assert artifact.runtime is not None
     source = {
         "run_id": record.run_id,
@@ -429,6 +441,7 @@ def _bundle(
         "backend": job.backend.name,
         "libraries": bundles.versions(("torch", "executorch", "transformers")),
     }
+    sessions = expected.goldens.sessions
     written = bundles.write(
         record.run_dir / BUNDLE_DIR,
         artifact.files(),
@@ -437,9 +450,13 @@ def _bundle(
         artifact.device,
         expected.output_names,
         expected.shapes,
-        executions(expected.shapes),
+        # A session's judged steps run in order on one instance, between the steps not judged.
+        [(shape, SAME_INSTANCE) for shape in expected.shapes]
+        if sessions
+        else executions(expected.shapes),
         expected.tolerances,
         source,
+        outline(sessions),
     )
     log.info(
         "[bundle] %s: %s (%.1f MB); check it on a target with: python -m runtimes.check %s",

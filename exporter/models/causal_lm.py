@@ -110,6 +110,15 @@ def declare_causal_lm(
     )
 
 
+def cache_buffers(module: torch.nn.Module) -> tuple[str, ...]:
+    """A StaticCacheLM's cache buffers by name (keys, values and fill counters per layer): state
+    its program writes as it runs, not weights; none for another module."""
+    if not isinstance(module, StaticCacheLM):
+        return ()
+    prefixes = ("key_cache_", "value_cache_", "cumulative_length_")
+    return tuple(name for name in module._buffers if name.startswith(prefixes))
+
+
 def cache_slots(cfg: CausalLmConfig) -> int | None:
     """The cache's slots where the model is exported with one (models.build filled in the
     default), else None."""

@@ -6,8 +6,9 @@ A bundle is a folder: the artifact's files (hard links to the job's, not copies)
 file (runtimes/verdict/goldens.py: the planned inputs, the float64 oracle's outputs and eager's
 error at the model's dtype), and `manifest.json`, written last, which says how to run and judge
 them (the runtime and its device, the output names, the live shapes and the order of the
-executions, the rule and its tolerances), where they came from (the job's MLflow run, host and
-libraries), and every file's size and SHA-256. Copy the folder whole; links are followed.
+executions, or for a model with a KV cache its sessions, the rule and its tolerances), where
+they came from (the job's MLflow run, host and libraries), and every file's size and SHA-256.
+Copy the folder whole; links are followed.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from runtimes.verdict.shapes import LiveShape
 
 MANIFEST = "manifest.json"
 # The manifest's layout; a reader refuses another, naming both. 2: executions name their
-# instance "same instance" or "new instance" (1: "reused" or "fresh").
-FORMAT = 2
+# instance "same instance" or "new instance" (1: "reused" or "fresh"). 3: a model with a KV
+# cache, whose goldens' sessions run in order on one instance (runtimes/verdict/sessions.py):
+# a check that reads format 2 only would run their judged steps as separate calls, so it must
+# refuse them. A bundle without sessions stays format 2, which every check reads.
+FORMAT, SESSIONS_FORMAT = 2, 3
 
 
 class BundleInvalid(Exception):
@@ -56,6 +60,9 @@ class Bundle:
     source: Mapping[str, Any]
     # File name -> {"bytes": size, "sha256": digest}.
     files: Mapping[str, Mapping[str, Any]]
+    # A model with a KV cache: per session, its prefill, its steps and the positions judged
+    # (runtimes/verdict/sessions.py `outline`); the goldens hold the sessions themselves.
+    sessions: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def artifact_path(self) -> Path:
@@ -86,10 +93,12 @@ def write(
     executions: Sequence[tuple[LiveShape, str]],
     tolerances: Tolerances,
     source: Mapping[str, Any],
+    sessions: Sequence[Mapping[str, Any]] = (),
 ) -> Bundle:
     """Writes the bundle into `folder` (made or emptied): `artifact_files` first (the artifact,
     then its data file), `goldens` linked where it is a file, saved where it is in memory, and
-    the manifest last, so a bundle whose writing stopped has none and is refused."""
+    the manifest last, so a bundle whose writing stopped has none and is refused. `sessions`:
+    a model with a KV cache's, as `Bundle.sessions` says."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.iterdir():
         stale.unlink()
@@ -111,8 +120,9 @@ def write(
         files={
             path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in placed
         },
+        sessions=tuple(sessions),
     )
-    manifest = {"format": FORMAT} | {
+    manifest = {"format": SESSIONS_FORMAT if sessions else FORMAT} | {
         f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
     }
     manifest["tolerances"] = asdict(tolerances)
@@ -132,10 +142,11 @@ def read(folder: Path) -> Bundle:
         )
     try:
         manifest = json.loads(path.read_text())
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") not in (FORMAT, SESSIONS_FORMAT):
             raise BundleInvalid(
-                f"{path}: bundle format {manifest.get('format')!r}; this check reads format "
-                f"{FORMAT}. Check it with the runtimes package of the exporter that wrote it."
+                f"{path}: bundle format {manifest.get('format')!r}; this check reads formats "
+                f"{FORMAT} and {SESSIONS_FORMAT}. Check it with the runtimes package of the "
+                "exporter that wrote it."
             )
         bundle = Bundle(
             folder=folder,
@@ -148,6 +159,7 @@ def read(folder: Path) -> Bundle:
             tolerances=Tolerances(**manifest["tolerances"]),
             source=manifest["source"],
             files=manifest["files"],
+            sessions=tuple(manifest.get("sessions", ())),
         )
     except BundleInvalid:
         raise
