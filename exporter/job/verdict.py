@@ -1,6 +1,7 @@
 """The lines a job ends with, after everything else it logs: how it ended (passed, or where it
-failed or was stopped, with its exit code), its worst error ratio and its speedup over eager,
-where its files are, the link that opens its MLflow run, and how long it took.
+failed or was stopped, with its exit code), its worst error ratio and its speedup over eager, a
+KV-cache model's greedy generation beside the oracle's, where its files are, the link that
+opens its MLflow run, and how long it took.
 
 Whichever process concludes the job writes them (exporter/job/ending.py's `conclude`): the worker
 for a job that ran, the command's process for a job refused by its configuration or whose
@@ -37,6 +38,7 @@ def lines(
     return [
         _clipped(_PREFIX + _shouted(summary.outcome(exit_code))),
         *(_PREFIX + figure for figure in figures),
+        *([_PREFIX + summary.greedy] if summary.greedy else []),
         f"{_PREFIX}run dir: {run_dir}",
         *([f"{_PREFIX}plots: {' '.join(plot.name for plot in plots)}"] if plots else []),
         *(_PREFIX + line for line in run_link),

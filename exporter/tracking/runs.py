@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +41,7 @@ from exporter.validate.plan import steps
 from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats.bundle import MANIFEST
 from runtimes.verdict.report import Report
-from runtimes.verdict.shapes import LiveShape, label
+from runtimes.verdict.shapes import label
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def end_run(store: Store, run_id: str, record: JobRecord, summary: JobSummary) -
     comparison table say the same, the run dir's files, and its status."""
     with _written(store, run_id):
         with _serialized(store.uri):
-            tags = {**_tags(summary), **_step_tags(record.report.shapes if record.report else ())}
+            tags = {**_tags(summary), **_step_tags(record.report)}
             _log_batched(store.client, run_id, {}, _metrics(record, summary), tags)
         # Files go to the artifact store, not the database: other jobs need not wait for them.
         _log_run_dir(store, run_id, record)
@@ -270,12 +270,11 @@ def log_target_run(
     metrics = [Metric("check_s", check_s, ended_ms, 0)]
     if report:
         metrics += report_metrics(report, ended_ms)
-    shapes = report.shapes if report else ()
     kept = f"{report_file} is unchanged: attach it again once the store can be written."
     with _written(store, run_id, kept=kept):
         store.client.log_artifact(run_id, str(report_file))
         with _serialized(store.uri):
-            _log_batched(store.client, run_id, {}, metrics, {**_step_tags(shapes), **tags})
+            _log_batched(store.client, run_id, {}, metrics, {**_step_tags(report), **tags})
             store.client.set_terminated(run_id, status, end_time=ended_ms)
     log.info("[track] MLflow run %s (%s) in %s", run_id, status, store.uri)
     return run_id
@@ -446,7 +445,9 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
 
 def report_metrics(report: Report, at: int) -> list[Metric]:
     """A validation report's figures, the job's and a target's alike: the worst over the live
-    shapes, and each shape's at its step, so MLflow plots them against the shape."""
+    shapes, and each shape's at its step, so MLflow plots them against the shape. A model with
+    a KV cache: each judged step's figures under its session's name (`session0.max_abs_err`) at
+    its position, and the greedy generation's agreement."""
     worst = {
         "worst_max_abs_err": "max_abs",
         "worst_nrmse": "nrmse",
@@ -463,6 +464,8 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
         for metric, stat in worst.items()
         if not math.isnan(report.worst(stat))
     ]
+    if report.sessions:
+        return metrics + _session_metrics(report, at)
     for result, size in zip(report.by_shape(), steps(report.shapes), strict=True):
         metrics += [
             Metric(metric, result.stats[stat], at, size)
@@ -472,14 +475,36 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
     return metrics
 
 
+def _session_metrics(report: Report, at: int) -> list[Metric]:
+    """Per session, each judged step's figures at its position (the prefill's at 0), so that
+    MLflow plots error against position, a line per session; the greedy generation's tokens
+    and how many of them each pair of generations shares before they part."""
+    metrics = [
+        Metric(f"session{result.number}.{metric}", step.stats[stat], at, step.shape["pos"])
+        for result in report.by_session()
+        for step in result.judged
+        for metric, stat in PER_SHAPE_METRICS.items()
+        if not math.isnan(step.stats[stat])
+    ]
+    if report.generation:
+        metrics.append(Metric("greedy_tokens", len(report.generation.oracle), at, 0))
+        metrics += [
+            Metric(f"greedy_agreed_{pair}", agreed, at, 0)
+            for pair, agreed in report.generation.agreement().items()
+        ]
+    return metrics
+
+
 def _gb(size: int | None) -> float | None:
     return None if size is None else size / GB
 
 
-def _step_tags(shapes: Sequence[LiveShape]) -> dict[str, str]:
+def _step_tags(report: Report | None) -> dict[str, str]:
     """With several dynamic dims a metric's step is the shape's position in the plan; these
-    tags say which shape each step is (`step.3` = `batch=8,seq=1`)."""
-    if not shapes or len(shapes[0]) < 2:
+    tags say which shape each step is (`step.3` = `batch=8,seq=1`). None for sessions, whose
+    step is the position."""
+    shapes = report.shapes if report else ()
+    if not shapes or len(shapes[0]) < 2 or report.sessions:
         return {}
     return {f"step.{n}": label(shape) for n, shape in zip(steps(shapes), shapes, strict=True)}
 

@@ -44,6 +44,8 @@ class JobSummary:
     worst_error_ratio_at: str | None = None
     # The live shapes that failed validation, by label (`seq=1`).
     failed_shapes: list[str] = field(default_factory=list)
+    # A model with a KV cache: its greedy generation beside eager's and the oracle's, in a line.
+    greedy: str | None = None
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
@@ -135,6 +137,8 @@ class JobSummary:
             summary.failed_shapes = record.report.failed_labels()
             if worst := record.report.worst_ratio_at():
                 summary.worst_error_ratio, summary.worst_error_ratio_at = worst
+            if record.report.generation:
+                summary.greedy = record.report.generation.summary()
         if record.weights_audit:
             found = record.weights_audit
             summary.weights_checked = len(found.checked)
@@ -184,17 +188,24 @@ class JobSummary:
             reason = self.error or f"stopped by {signal_name}"
             return f"killed {code} during the {self.failed_stage} stage: {reason}"
         if self.status == "passed":
-            shapes = f" at all {len(self.shapes)} live shapes" if self.shapes else ""
+            shapes = f" at all {self._judged()}" if self.shapes else ""
             tracking = "; its MLflow run was not written" if exit_code else ""
             return f"passed {code}{shapes}{tracking}"
         if self.failed_stage == "validate" and self.failed_shapes:
-            why = (
-                f"{len(self.failed_shapes)} of {len(self.shapes)} live shapes failed: "
-                + ", ".join(self.failed_shapes)
+            why = f"{len(self.failed_shapes)} of {self._judged()} failed: " + ", ".join(
+                self.failed_shapes
             )
         else:
             why = (self.error or "").split("\n", 1)[0]
         return f"failed {code} at the {self.failed_stage} stage: {why}"
+
+    def _judged(self) -> str:
+        """What validation judged: `7 live shapes`, or `18 judged steps of 3 sessions` for a
+        model with a KV cache (its shapes name their session)."""
+        sessions = {shape["session"] for shape in self.shapes if "session" in shape}
+        if sessions:
+            return f"{len(self.shapes)} judged steps of {len(sessions)} sessions"
+        return f"{len(self.shapes)} live shapes"
 
     def figures(self) -> list[str]:
         """The worst error ratio and the speedup range over eager, where they were measured."""
