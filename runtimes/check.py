@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(bundle: Bundle) -> str:
     """What the check runs: `7 live shapes, 13 executions`, or for a model with a KV cache `3
-    sessions (prefills 1, 9, 16; 31 steps), 18 judged`."""
+    sessions (prefills 1, 9, 16; 25 steps), 18 judged`."""
     if not bundle.sessions:
         return f"{len(bundle.shapes)} live shapes, {len(bundle.executions)} executions"
     prefills = ", ".join(str(s["prefill"]) for s in bundle.sessions)

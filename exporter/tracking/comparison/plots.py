@@ -123,14 +123,17 @@ def _plot(
     for panel, dim in enumerate(dims, start=1):
         axes = figure.add_subplot(1, len(dims), panel)
         for number, (summary, label) in enumerate(measured):
+            if dim not in _axes(summary):
+                # A job of another model, without this dim (a KV cache's steps have a `seq`,
+                # the tokens in the call, but are placed by position alone).
+                continue
             for line, (name, shapes, points) in enumerate(_lines(summary, label, points_of)):
                 placed = sorted(
                     (shape[dim], *point)
                     for shape, point in zip(shapes, points, strict=True)
-                    if point is not None and dim in shape
+                    if point is not None
                 )
                 if not placed:
-                    # A job of another model, without this dim.
                     continue
                 x, y, below, above = zip(*placed, strict=True)
                 # A job keeps its colour in every panel.
