@@ -211,6 +211,19 @@ def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(tmp_path:
     assert len(delegate.recordings) == 3
 
 
+def test_the_partitioners_pattern_graphs_are_built_once_a_process(
+    rms_norm: tuple[ModelBundle, Artifact],
+) -> None:
+    # ExecuTorch 1.5 registers the builders uncached: each lowering exported the RoPE patterns
+    # again, twice: most of a WebGPU lowering of a small program.
+    from executorch.backends.vulkan.patterns import fusable_patterns
+
+    builders = [e.get_graphs_fn for e in fusable_patterns.values() if e.get_graphs_fn]
+    assert len(builders) >= 2
+    for build in builders:
+        assert build() is build()
+
+
 def test_a_program_whose_input_is_named_input_is_rewritten_and_lowered(tmp_path: Path) -> None:
     # Copying the graph for the rewrites renames a placeholder named after a Python builtin.
     bundle, artifact = lowered(tmp_path, "model=linear")
