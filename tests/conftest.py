@@ -15,17 +15,52 @@ from itertools import count
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from omegaconf import DictConfig
 
+from exporter import backends, config
 from exporter.config import store as config_store
+from exporter.errors import ValidationFailed
+from exporter.job import stages
+from exporter.job.produced import Produced
+from exporter.tracking.record import JobRecord
 
 # Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
 config_store.register_schemas()
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
+
+
+def composed(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
+    """Runs one job's stages in this process; its record and report.json. For tests of what the
+    stages compute, not of the command: it skips the command's ~5 s of imports in a fresh
+    process. The search has no time limit unless the overrides set one: what it finds must not
+    depend on the machine's load."""
+    unbounded = (
+        ()
+        if any(o.startswith("validate.localize_seconds=") for o in overrides)
+        else ("validate.localize_seconds=null",)
+    )
+    job = config.to_job(
+        composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", "cache=false")
+    )
+    record, produced = JobRecord(run_dir=run_dir), Produced()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        stages.run(job, backends.configured(job), produced, record, lambda *_: None)
+    except ValidationFailed as error:
+        record.error = error
+    produced.into(record)
+    return record, json.loads((run_dir / stages.REPORT_FILE).read_text())
 
 
 @dataclass

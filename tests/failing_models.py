@@ -108,12 +108,16 @@ def crashes_while_built() -> ModelDeclaration:
 
 
 def llama_scaled_when_exported(
-    module: str = "model.layers.1.mlp.down_proj", factor: float = 1.01, checkpoint: str = ""
+    module: str = "model.layers.1.mlp.down_proj",
+    factor: float = 1.01,
+    checkpoint: str = "",
+    layers: int = 2,
 ) -> ModelDeclaration:
     """A causal LM whose exported program, and so every artifact lowered from it, computes
     `module`'s output times `factor` while eager PyTorch and the float64 oracle compute the
     model: a wrong kernel's error planted at one layer, with the weights untouched (the audit
-    passes). The tiny Llama of `model=llama` (seeded), or the Llama at `checkpoint`."""
+    passes). The tiny Llama of `model=llama` (seeded) with `layers` decoder layers, or the Llama
+    at `checkpoint`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from exporter.models.causal_lm import declare_causal_lm
@@ -123,7 +127,7 @@ def llama_scaled_when_exported(
     else:
         config = LlamaConfig(
             hidden_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             intermediate_size=128,

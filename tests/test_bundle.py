@@ -47,6 +47,12 @@ def mlp_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     return result
 
 
+def cache_of(job: CliResult) -> str:
+    """The override that makes a job use `job`'s cache: a job that differs from it only where
+    no cache key looks (tolerances, the bundle) reuses its export, goldens and lowering."""
+    return f"cache_dir={job.run_dir.parent / 'cache'}"
+
+
 @pytest.fixture
 def copied(mlp_job: CliResult, tmp_path: Path) -> Path:
     """The mlp job's bundle copied as a user would to a target (files, not links)."""
@@ -182,7 +188,7 @@ def test_a_failed_job_still_bundles_and_its_check_fails_alike(
     """Tolerances the mlp cannot meet (factor 1 and no floor: its ratio is 2.6 at batch=1)."""
     job = run_exporter(
         tmp_path, "model=mlp", "benchmark=off", "mlflow=off", "validate.factor=1",
-        "validate.floor=0", "validate.localize=off",
+        "validate.floor=0", "validate.localize=off", cache_of(mlp_job),
     )  # fmt: skip
     assert job.exit_code == 1, job.output
 
@@ -220,8 +226,10 @@ def test_external_weights_travel_in_the_bundle_which_writes_its_goldens_without_
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
-def test_bundle_off_writes_none(tmp_path: Path) -> None:
-    job = run_exporter(tmp_path, "model=mlp", "bundle=off", "benchmark=off", "mlflow=off")
+def test_bundle_off_writes_none(mlp_job: CliResult, tmp_path: Path) -> None:
+    job = run_exporter(
+        tmp_path, "model=mlp", "bundle=off", "benchmark=off", "mlflow=off", cache_of(mlp_job)
+    )
     assert job.exit_code == 0, job.output
     assert not (job.run_dir / "bundle").exists()
     assert "bundle" not in job.report()

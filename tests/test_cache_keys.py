@@ -91,6 +91,8 @@ def job_in(project: Path, workdir: Path, *overrides: str) -> tuple[Run, str]:
             f"mlflow.tracking_uri={tracking_uri_in(workdir)}",
             f"mlflow.artifact_location={workdir}/mlartifacts",
             f"cache_dir={workdir}/cache",
+            # No test here reads a timing: the default benchmark adds seconds to each job.
+            "benchmark=off",
             *overrides,
         ],
         cwd=project,
@@ -112,10 +114,10 @@ def test_an_edited_model_or_lowering_rebuilds_a_changed_tolerance_does_not(
     first, _ = job_in(project, tmp_path)
     assert hits(first) == {"export": "false", "goldens": "false", "lower": "false"}
 
-    for tolerance in ("validate.atol=2e-4", "backend.atol=3e-4"):
-        run, output = job_in(project, tmp_path, tolerance)
-        assert hits(run) == {"export": "true", "goldens": "true", "lower": "true"}, output
-        assert run.data.tags["cache_key.lower"] == first.data.tags["cache_key.lower"]
+    # Both tolerances in one job: were either in a key, that stage would miss.
+    run, output = job_in(project, tmp_path, "validate.atol=2e-4", "backend.atol=3e-4")
+    assert hits(run) == {"export": "true", "goldens": "true", "lower": "true"}, output
+    assert run.data.tags["cache_key.lower"] == first.data.tags["cache_key.lower"]
 
     # The scenario: the second ReLU of the MLP becomes a GELU.
     mlp = project / "exporter" / "models" / "mlp.py"
@@ -129,7 +131,7 @@ def test_an_edited_model_or_lowering_rebuilds_a_changed_tolerance_does_not(
     edited, output = job_in(project, tmp_path)
     assert hits(edited) == {"export": "false", "goldens": "false", "lower": "false"}, output
     assert "[cache] hit" not in output
-    program = (tmp_path / "run-3" / "program.pt2").read_bytes()
+    program = (tmp_path / "run-2" / "program.pt2").read_bytes()
     assert b"gelu" in program
 
     # An edit of the lowering code rebuilds the lowering only.

@@ -186,7 +186,8 @@ def test_native_log_lines_go_to_the_run_dirs_native_log_not_the_terminal(
 def test_llama_on_executorch_matches_eager_at_every_planned_size(
     exporter_cli: Callable[..., CliResult],
 ) -> None:
-    result = exporter_cli("model=llama", "backend=executorch")
+    # One decoder layer: what is proved is the planned sizes, and lowering costs ~11 s a layer.
+    result = exporter_cli("model=llama", "model.num_hidden_layers=1", "backend=executorch")
     assert result.exit_code == 0, result.output
     (logits,) = run_pte(result.run_dir / "model.pte", torch.randint(0, 512, (1, 9)))
     assert logits.shape == (1, 9, 512)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import DictConfig, open_dict
+from omegaconf import open_dict
 
 from exporter import backends, config, models
 from exporter.config import (
@@ -16,12 +15,7 @@ from exporter.config import (
     MlpConfig,
 )
 from exporter.errors import ConfigError
-from tests.conftest import CONF_DIR
-
-
-def composed(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+from tests.conftest import composed
 
 
 def test_dynamic_bounds_follow_the_model_and_take_overrides() -> None:

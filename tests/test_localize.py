@@ -8,7 +8,6 @@ the job calls. An artifact changed after lowering: tests/test_tampered_artifacts
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from collections.abc import Callable
@@ -18,41 +17,14 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 
-from exporter import backends, config
-from exporter.errors import ValidationFailed
-from exporter.job import stages
-from exporter.job.produced import Produced
+from exporter import config
 from exporter.localize import source_line
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
-from exporter.tracking.record import JobRecord
-from tests.conftest import run_exporter
+from tests.conftest import composed, job_in_process, run_exporter
 from tests.test_cli import assert_user_error
-from tests.test_config import composed
 
 TOYS = Path(__file__).resolve().parents[1] / "exporter" / "models" / "toys.py"
-
-
-def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
-    """Runs one job's stages in this process; its record and report.json. The search has no
-    time limit unless the overrides set one: what it finds must not depend on the machine's
-    load."""
-    unbounded = (
-        ()
-        if any(o.startswith("validate.localize_seconds=") for o in overrides)
-        else ("validate.localize_seconds=null",)
-    )
-    job = config.to_job(
-        composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", "cache=false")
-    )
-    record, produced = JobRecord(run_dir=run_dir), Produced()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        stages.run(job, backends.configured(job), produced, record, lambda *_: None)
-    except ValidationFailed as error:
-        record.error = error
-    produced.into(record)
-    return record, json.loads((run_dir / stages.REPORT_FILE).read_text())
 
 
 def node_named(program: ExportedProgram, op: str, module: str) -> torch.fx.Node:

@@ -22,6 +22,7 @@ from torch.export import ExportedProgram
 from exporter.backends.common.executorch_program import delegating, is_compute
 from exporter.backends.common.partition import UNSUPPORTED
 from exporter.backends.common.policy import Policy, op_name
+from exporter.backends.webgpu import pattern_graphs
 from exporter.process import progress
 
 # The partitioner logs each node it refuses to the root logger, at INFO.
@@ -35,6 +36,7 @@ class PolicyPartitioner(Partitioner):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
+        pattern_graphs.build_once()
         self.policy = policy
         # Node name -> size of the block it was in, for blocks under min_block_size.
         self.small_blocks: dict[str, int] = {}
