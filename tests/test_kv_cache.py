@@ -13,7 +13,7 @@ from exporter.errors import ConfigError
 from runtimes import load
 from runtimes.verdict.sessions import Cache, CacheRefused
 from tests.test_audit import composed
-from tests.test_localize import job_in_process
+from tests.conftest import job_in_process
 
 # One layer and 16 cache slots: every step of three sessions runs in a second.
 SMALL = ("model.num_hidden_layers=1", "model.kv_cache=static", "dynamic.seq.max=16")
