@@ -60,6 +60,10 @@ class JobSummary:
     latency_at_min_ms: float | None = None
     latency_at_max_ms: float | None = None
     worst_speedup_vs_eager: float | None = None
+    # A model with a KV cache: tokens per second of a decode step at the cache's last slot and
+    # of the longest prefill.
+    decode_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
     # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
     benchmark: dict[str, str] = field(default_factory=dict)
     artifact_bytes: int | None = None
@@ -153,12 +157,18 @@ class JobSummary:
                 shape.eager.median_ms if shape.eager else None for shape in timed
             ]
             summary.speedup_vs_eager = [shape.speedup_vs_eager for shape in timed]
-            summary.latency_at_min_ms = summary.latency_ms[0]
-            summary.latency_at_max_ms = summary.latency_ms[-1]
+            if timed:
+                summary.latency_at_min_ms = summary.latency_ms[0]
+                summary.latency_at_max_ms = summary.latency_ms[-1]
+            calls = record.benchmark.decode or record.benchmark.prefill
+            if record.benchmark.decode:
+                summary.decode_tokens_per_s = record.benchmark.decode[-1].tokens_per_s
+            if record.benchmark.prefill:
+                summary.prefill_tokens_per_s = record.benchmark.prefill[-1].tokens_per_s
             summary.worst_speedup_vs_eager = record.benchmark.worst_speedup_vs_eager()
             summary.benchmark = {
                 "threads": str(record.benchmark.threads),
-                "clock": timed[0].artifact.clock,
+                "clock": (timed or calls)[0].artifact.clock,
                 "eager_device": record.benchmark.eager_device or "none",
             }
         return summary
