@@ -84,3 +84,5 @@ def test_the_comparison_gets_decode_and_prefill_tokens_per_second(
     assert summary.worst_speedup_vs_eager == report["benchmark"]["worst_speedup_vs_eager"]
     assert summary.latency_ms == [] and summary.latency_at_max_ms is None
     assert summary.benchmark["clock"] == "cpu"
+    decode = f"decode {summary.decode_tokens_per_s:.0f} tokens/s at the last slot"
+    assert decode in summary.figures()

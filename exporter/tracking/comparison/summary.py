@@ -207,7 +207,8 @@ class JobSummary:
         return f"failed {code} at the {self.failed_stage} stage: {why}"
 
     def figures(self) -> list[str]:
-        """The worst error ratio and the speedup range over eager, where they were measured."""
+        """The worst error ratio, the speedup range over eager and, with a KV cache, decode
+        tokens/s at the last slot and the worst speedup, where they were measured."""
         figures = []
         if self.worst_error_ratio is not None:
             figures.append(
@@ -216,6 +217,13 @@ class JobSummary:
             )
         if speedups := self.speedup_range():
             figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
+        if self.decode_tokens_per_s is not None:
+            figures.append(f"decode {self.decode_tokens_per_s:.0f} tokens/s at the last slot")
+            if self.worst_speedup_vs_eager is not None:
+                figures.append(
+                    f"speedup over eager at worst {self.worst_speedup_vs_eager:.3g}x "
+                    "(prefill and decode)"
+                )
         return figures
 
     def speedup_range(self) -> tuple[float, float] | None:
