@@ -6,6 +6,10 @@ the exported program at the model's dtype on the same kind of device, timed the 
 the same CPU threads, so `speedup_vs_eager` says whether lowering paid off at that shape. The
 two are loaded together and take turns (exporter/benchmark/timing.py), so a machine that slows
 down slows both.
+
+A model with a KV cache is timed as it generates instead (exporter/benchmark/decoding.py):
+prefill at several lengths and a decode step at several cache fills, each with tokens per
+second, the live shapes (its validation's steps) untimed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from exporter.benchmark.timing import Timing, measure
+from exporter.benchmark.decoding import CallLatency, decode_fills, time_decode, time_prefill
+from exporter.benchmark.timing import Timing, measure, speedup
 from exporter.config import BenchmarkConfig
 from exporter.process import interrupts
 from runtimes import Loaded, set_threads
@@ -26,7 +31,15 @@ from runtimes.verdict.shapes import LiveShape, label
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Benchmark", "ShapeLatency", "Subject", "run", "thread_count"]
+__all__ = [
+    "Benchmark",
+    "CallLatency",
+    "ShapeLatency",
+    "Subject",
+    "run",
+    "run_sessions",
+    "thread_count",
+]
 
 
 @dataclass(frozen=True)
@@ -46,10 +59,7 @@ class ShapeLatency:
 
     @property
     def speedup_vs_eager(self) -> float | None:
-        """Eager's median over the artifact's: above 1, the artifact is faster."""
-        if self.eager is None:
-            return None
-        return self.eager.median_ms / self.artifact.median_ms
+        return speedup(self.artifact, self.eager)
 
 
 @dataclass(frozen=True)
@@ -58,12 +68,18 @@ class Benchmark:
     # Where eager ran, or None where there was no exported program to run (artifact=...).
     eager_device: str | None
     shapes: tuple[ShapeLatency, ...]
+    # A model with a KV cache: its prefills from position 0, and its decode steps by cache fill.
+    prefill: tuple[CallLatency, ...] = ()
+    decode: tuple[CallLatency, ...] = ()
 
     def worst_speedup_vs_eager(self) -> float | None:
-        speedups = [s.speedup_vs_eager for s in self.shapes if s.speedup_vs_eager is not None]
+        timed = [*self.shapes, *self.prefill, *self.decode]
+        speedups = [t.speedup_vs_eager for t in timed if t.speedup_vs_eager is not None]
         return min(speedups) if speedups else None
 
     def table(self) -> str:
+        if self.prefill or self.decode:
+            return self._calls_table()
         headers = ["shape", "median_ms", "p10_ms", "p90_ms", "runs", "eager_ms", "eager_p90_ms"]
         rows = []
         for result in self.shapes:
@@ -82,8 +98,29 @@ class Benchmark:
             )
         return tabulate(rows, headers=[*headers, "speedup_vs_eager"], disable_numparse=True)
 
+    def _calls_table(self) -> str:
+        headers = ["call", "median_ms", "p90_ms", "runs", "tokens/s", "eager_ms", "eager_tokens/s"]
+        rows = []
+        for kind, calls in (("prefill", self.prefill), ("decode", self.decode)):
+            for call in calls:
+                timing, eager = call.artifact, call.eager
+                where = f"seq={call.tokens}" if kind == "prefill" else f"pos={call.position}"
+                rows.append(
+                    [
+                        f"{kind} {where}",
+                        f"{timing.median_ms:.3f}",
+                        f"{timing.p90_ms:.3f}",
+                        len(timing.samples_ms),
+                        f"{call.tokens_per_s:.1f}",
+                        f"{eager.median_ms:.3f}" if eager else "",
+                        f"{call.eager_tokens_per_s:.1f}" if eager else "",
+                        _speedup(call.speedup_vs_eager),
+                    ]
+                )
+        return tabulate(rows, headers=[*headers, "speedup_vs_eager"], disable_numparse=True)
+
     def to_json(self) -> dict[str, object]:
-        return {
+        payload: dict[str, object] = {
             "threads": self.threads,
             "eager_device": self.eager_device,
             "worst_speedup_vs_eager": self.worst_speedup_vs_eager(),
@@ -97,6 +134,10 @@ class Benchmark:
                 for result in self.shapes
             ],
         }
+        if self.prefill or self.decode:
+            payload["prefill"] = [call.to_json() for call in self.prefill]
+            payload["decode"] = [call.to_json() for call in self.decode]
+        return payload
 
 
 def thread_count(settings: BenchmarkConfig) -> int:
@@ -114,9 +155,6 @@ def run(
     """Times the artifact and eager (None: no program to run in eager PyTorch) at every shape,
     in plan order."""
     threads = thread_count(settings)
-    for subject in (artifact, eager):
-        if subject is not None:
-            set_threads(subject.runtime, threads)
     log.info(
         "[benchmark] %d live shapes, %d threads: %d warm-up runs, then up to %d timed runs or "
         "%.3g s per shape and runtime",
@@ -126,14 +164,10 @@ def run(
         settings.repeats,
         settings.seconds,
     )
-    loaded = artifact.load()
-    reference = eager.load() if eager is not None else None
-    if reference is None:
-        log.info("[benchmark] no exported program to run in eager PyTorch: no speedup_vs_eager")
+    contenders = _loaded(artifact, eager, threads)
     results = []
     for shape in shapes:
         interrupts.check()
-        contenders = [loaded] if reference is None else [loaded, reference]
         timing, *eager_timing = measure(
             contenders, inputs(shape), settings.warmup, settings.repeats, settings.seconds
         )
@@ -150,6 +184,76 @@ def run(
             _speedup(result.speedup_vs_eager),
         )
     return Benchmark(threads, eager.device if eager else None, tuple(results))
+
+
+def run_sessions(
+    sessions: Sequence[dict], artifact: Subject, eager: Subject | None, settings: BenchmarkConfig
+) -> Benchmark:
+    """Times the artifact with a KV cache and eager (None: no program to run in eager PyTorch)
+    on the first session's tokens (plain dicts as runtimes/verdict/sessions.py reads them): a
+    prefill of every session's length from position 0, then a decode step at the fills of
+    `decode_fills`; each instance keeps its cache between its calls, as in a generation."""
+    threads = thread_count(settings)
+    tokens = sessions[0]["tokens"]
+    lengths = sorted({int(session["prefill"]) for session in sessions})
+    fills = decode_fills(lengths[0], tokens.shape[0])
+    log.info(
+        "[benchmark] prefill of %s tokens, a decode step at cache fills %s; %d threads: %d "
+        "warm-up runs, then up to %d timed runs or %.3g s per call and runtime",
+        lengths,
+        fills,
+        threads,
+        settings.warmup,
+        settings.repeats,
+        settings.seconds,
+    )
+    contenders = _loaded(artifact, eager, threads)
+    prefill = [
+        _call(
+            f"prefill seq={length}", 0, length, time_prefill(contenders, tokens, length, settings)
+        )
+        for length in lengths
+    ]
+    decode = [
+        _call(
+            f"decode pos={fill}",
+            fill,
+            1,
+            time_decode(contenders, tokens, fill, lengths[-1], settings),
+        )
+        for fill in fills
+    ]
+    return Benchmark(threads, eager.device if eager else None, (), tuple(prefill), tuple(decode))
+
+
+def _call(name: str, position: int, tokens: int, timings: Sequence[Timing]) -> CallLatency:
+    timing, *eager_timing = timings
+    call = CallLatency(position, tokens, timing, eager_timing[0] if eager_timing else None)
+    log.info(
+        "[benchmark] %s %.3f ms (p90 %.3f, %d runs), %.1f tokens/s  eager %s  speedup %s",
+        name,
+        timing.median_ms,
+        timing.p90_ms,
+        len(timing.samples_ms),
+        call.tokens_per_s,
+        f"{call.eager.median_ms:.3f} ms" if call.eager else "-",
+        _speedup(call.speedup_vs_eager),
+    )
+    return call
+
+
+def _loaded(artifact: Subject, eager: Subject | None, threads: int) -> list[Loaded]:
+    """The artifact and eager (where there is a program to run) loaded, their kernels set to
+    `threads` CPU threads."""
+    for subject in (artifact, eager):
+        if subject is not None:
+            set_threads(subject.runtime, threads)
+    loaded = [artifact.load()]
+    if eager is None:
+        log.info("[benchmark] no exported program to run in eager PyTorch: no speedup_vs_eager")
+    else:
+        loaded.append(eager.load())
+    return loaded
 
 
 def _speedup(value: float | None) -> str:

@@ -63,6 +63,12 @@ class Timing:
         }
 
 
+def speedup(artifact: Timing, eager: Timing | None) -> float | None:
+    """Eager's median over the artifact's: above 1, the artifact is faster; None without
+    eager."""
+    return None if eager is None else eager.median_ms / artifact.median_ms
+
+
 def measure(
     contenders: Sequence[Loaded],
     inputs: Sequence[torch.Tensor],

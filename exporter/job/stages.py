@@ -518,13 +518,17 @@ def _benchmark(
     expected: Expected,
     target: Mapping[str, str],
 ) -> benchmark.Benchmark:
-    """The artifact's latency at every live shape, beside eager PyTorch's on the device that
-    matches the artifact's `target`."""
+    """The artifact's latency at every live shape (with a KV cache: its prefills and decode
+    steps), beside eager PyTorch's on the device that matches the artifact's `target`."""
+    timed = benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact))
+    eager = _eager(program, backend, target)
+    if expected.goldens.sessions:
+        return benchmark.run_sessions(expected.goldens.sessions, timed, eager, job.benchmark)
     return benchmark.run(
         expected.shapes,
         lambda shape: expected.goldens.cases[label(shape)][0],
-        benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact)),
-        _eager(program, backend, target),
+        timed,
+        eager,
         job.benchmark,
     )
 
@@ -719,7 +723,9 @@ def _eager(
 ) -> benchmark.Subject | None:
     """Eager PyTorch to time beside the artifact: the job's exported program, on the device
     that matches the artifact's; None where the job validated a given artifact and exported
-    nothing."""
+    nothing. With a KV cache, the program's module keeps the cache in its buffers between
+    calls, as the model does: the same graph as the artifact's, at the model's dtype, without
+    the model held through the stages after export."""
     if program is None:
         return None
     device = backend.eager_device(target)

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
@@ -42,6 +43,10 @@ from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats.bundle import MANIFEST
 from runtimes.verdict.report import Report
 from runtimes.verdict.shapes import label
+
+if TYPE_CHECKING:
+    # Imports torch, which a job's tracking does not need.
+    from exporter.benchmark import Benchmark
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +435,9 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
         metrics += report_metrics(record.report, at)
-    if record.benchmark and record.report:
+    if record.benchmark:
+        metrics += _call_metrics(record.benchmark, at)
+    if record.benchmark and record.benchmark.shapes and record.report:
         for timed, size in zip(record.benchmark.shapes, steps(record.report.shapes), strict=True):
             per_shape = {
                 "latency_ms": timed.artifact.median_ms,
@@ -440,6 +447,24 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
                 "speedup_vs_eager": timed.speedup_vs_eager,
             }
             metrics += [Metric(k, v, at, size) for k, v in per_shape.items() if v is not None]
+    return metrics
+
+
+def _call_metrics(timed: Benchmark, at: int) -> list[Metric]:
+    """A model with a KV cache: each prefill's figures stepped by its length, each decode step's
+    by its cache fill (the position it writes)."""
+    metrics = []
+    for kind, calls in (("prefill", timed.prefill), ("decode", timed.decode)):
+        for call in calls:
+            figures = {
+                f"{kind}_ms": call.artifact.median_ms,
+                f"{kind}_tokens_per_s": call.tokens_per_s,
+                f"eager_{kind}_ms": call.eager.median_ms if call.eager else None,
+                f"eager_{kind}_tokens_per_s": call.eager_tokens_per_s,
+                f"{kind}_speedup_vs_eager": call.speedup_vs_eager,
+            }
+            step = call.tokens if kind == "prefill" else call.position
+            metrics += [Metric(k, v, at, step) for k, v in figures.items() if v is not None]
     return metrics
 
 

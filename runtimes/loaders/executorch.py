@@ -5,6 +5,12 @@ is loaded with that file, which must lie beside it under the same name: model.pt
 model.ptd. Where the .pte needs data it does not hold and no such file lies beside it, `load`
 raises FileNotFoundError naming the file, before ExecuTorch's runtime sees the program (its
 XNNPACK delegate crashes the process on a missing weight).
+
+A program that calls ExecuTorch's LLM ops (`llama::custom_sdpa`, `llama::update_cache`: written
+by ExecuTorch's LLM export and optimum-executorch's custom-SDPA recipes) loads only once their
+kernels are registered, which importing `executorch.extension.llm.custom_ops.custom_ops` does;
+`load` imports it for such a program only ("Missing operator" otherwise). A target that runs
+such a .pte without this loader must import it too.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from executorch.runtime import Runtime, Verification
@@ -43,6 +50,8 @@ class ExecutorchProgram:
                     f"{data_path} does not exist: copy the .ptd written with {path.name} there."
                 )
             data_path = None
+        if any(name.startswith(_LLM_OPS) for name in operators(path)):
+            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
         program = Runtime.get().load_program(
             path, verification=Verification.Minimal, data_path=data_path
         )
@@ -84,6 +93,28 @@ _INLINE = 0  # DataLocation
 _TENSOR = 5  # KernelTypes union member
 _XNNPACK_BACKEND = "XnnpackBackend"
 _XNNPACK_HEADER = b"XH00"
+# The namespace of ExecuTorch's LLM ops, registered by importing their library.
+_LLM_OPS = "llama::"
+
+
+def operators(path: Path) -> list[str]:
+    """The names of the operators the program calls outside its delegates (`aten::add.out`,
+    `llama::custom_sdpa.out`), each once, in the program's order."""
+    with path.open("rb") as file:
+        program = _program_table(file)
+    names = [
+        f"{op.string(0)}.{op.string(1)}" if op.string(1) else op.string(0)
+        for plan in program.tables(1)
+        for op in plan.tables(6)
+    ]
+    return list(dict.fromkeys(names))
+
+
+def _program_table(file: BinaryIO) -> Table:
+    """The program's flatbuffer root, read from the file's start."""
+    program_size, _ = _extended_header(file.read(40))
+    file.seek(0)
+    return Table.root(file.read(program_size), _PROGRAM_ID)
 
 
 def data_outside(path: Path) -> list[str]:

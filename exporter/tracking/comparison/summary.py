@@ -62,6 +62,10 @@ class JobSummary:
     latency_at_min_ms: float | None = None
     latency_at_max_ms: float | None = None
     worst_speedup_vs_eager: float | None = None
+    # A model with a KV cache: tokens per second of a decode step at the cache's last slot and
+    # of the longest prefill.
+    decode_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
     # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
     benchmark: dict[str, str] = field(default_factory=dict)
     artifact_bytes: int | None = None
@@ -157,12 +161,18 @@ class JobSummary:
                 shape.eager.median_ms if shape.eager else None for shape in timed
             ]
             summary.speedup_vs_eager = [shape.speedup_vs_eager for shape in timed]
-            summary.latency_at_min_ms = summary.latency_ms[0]
-            summary.latency_at_max_ms = summary.latency_ms[-1]
+            if timed:
+                summary.latency_at_min_ms = summary.latency_ms[0]
+                summary.latency_at_max_ms = summary.latency_ms[-1]
+            calls = record.benchmark.decode or record.benchmark.prefill
+            if record.benchmark.decode:
+                summary.decode_tokens_per_s = record.benchmark.decode[-1].tokens_per_s
+            if record.benchmark.prefill:
+                summary.prefill_tokens_per_s = record.benchmark.prefill[-1].tokens_per_s
             summary.worst_speedup_vs_eager = record.benchmark.worst_speedup_vs_eager()
             summary.benchmark = {
                 "threads": str(record.benchmark.threads),
-                "clock": timed[0].artifact.clock,
+                "clock": (timed or calls)[0].artifact.clock,
                 "eager_device": record.benchmark.eager_device or "none",
             }
         return summary
@@ -208,7 +218,8 @@ class JobSummary:
         return f"{len(self.shapes)} live shapes"
 
     def figures(self) -> list[str]:
-        """The worst error ratio and the speedup range over eager, where they were measured."""
+        """The worst error ratio, the speedup range over eager and, with a KV cache, decode
+        tokens/s at the last slot and the worst speedup, where they were measured."""
         figures = []
         if self.worst_error_ratio is not None:
             figures.append(
@@ -217,6 +228,13 @@ class JobSummary:
             )
         if speedups := self.speedup_range():
             figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
+        if self.decode_tokens_per_s is not None:
+            figures.append(f"decode {self.decode_tokens_per_s:.0f} tokens/s at the last slot")
+            if self.worst_speedup_vs_eager is not None:
+                figures.append(
+                    f"speedup over eager at worst {self.worst_speedup_vs_eager:.3g}x "
+                    "(prefill and decode)"
+                )
         return figures
 
     def speedup_range(self) -> tuple[float, float] | None:

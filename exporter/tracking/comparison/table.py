@@ -29,6 +29,8 @@ COLUMNS = (
     "latency_at_max_ms",
     "worst_speedup_vs_eager",
     "speedup_range",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
     "artifact_bytes",
     "delegated_fraction",
     "startup_s",

@@ -1,0 +1,121 @@
+"""KV-cache artifacts side by side on one checkpoint: prefill at several lengths from position 0
+and a decode step (ms per token) at several cache fills, in one process, timed as the job's
+benchmark stage times them (exporter/benchmark/decoding.py: each instance's cache is filled to
+the position by a session of the same tokens, then the step is timed repeatedly, rewriting its
+slot), the artifacts taking turns.
+
+Any artifact with the signature `forward(input_ids[1, S], cache_position[S]) -> logits` and its
+cache in mutable buffers: ours (model.pte of `python -m exporter model.kv_cache=static`), a
+peer's .pte (optimum-executorch's `optimum-cli export executorch --recipe xnnpack`, installed
+apart from the project: ExecuTorch's LLM ops are registered by the loader where the program
+calls them), or a program.pt2 run in eager PyTorch (the job's eager beside the artifact).
+
+    python bench/kv_decode.py ours=RUN/model.pte peer=OPTEX/model.pte eager=RUN/program.pt2 \\
+        --slots 128 --threads 1 2 --rounds 3
+
+Each figure is the median over `--rounds` rounds of each round's median; `spread` is the
+largest round median over the smallest, of the first artifact. `vs NAME`: that artifact's
+median over this one's (above 1: this one is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from exporter.benchmark.decoding import decode_fills, time_decode, time_prefill
+from exporter.config import BenchmarkConfig
+from runtimes import load, set_threads
+
+# The runtime that runs a file, by its suffix.
+RUNTIMES = {".pte": "executorch", ".pt2": "eager"}
+
+
+def parse_artifact(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or Path(path).suffix not in RUNTIMES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give NAME=PATH with a .pte (ExecuTorch) or a .pt2 (eager PyTorch)"
+        )
+    return name, Path(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifacts", nargs="+", type=parse_artifact, metavar="NAME=PATH")
+    parser.add_argument("--slots", type=int, required=True, help="the cache's length")
+    parser.add_argument(
+        "--max-prefill", type=int, help="the longest prefill all take (default: slots - 1)"
+    )
+    parser.add_argument("--vocab", type=int, default=512, help="token ids drawn below it")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=1.0, help="per call, artifact, round")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv)
+    longest = args.max_prefill or args.slots - 1
+    lengths = sorted({1, (1 + longest) // 2 | 1, longest})
+    fills = decode_fills(1, args.slots)
+    tokens = torch.randint(0, args.vocab, (args.slots,), generator=torch.Generator().manual_seed(0))
+    names = [name for name, _ in args.artifacts]
+    runtimes = [RUNTIMES[path.suffix] for _, path in args.artifacts]
+    loaded = [
+        (runtime, load(path, runtime))
+        for runtime, (_, path) in zip(runtimes, args.artifacts, strict=True)
+    ]
+    settings = BenchmarkConfig(
+        enabled=True, warmup=args.warmup, repeats=1000, seconds=args.seconds, threads=None
+    )
+    calls = [("prefill", length) for length in lengths] + [("decode", fill) for fill in fills]
+    for threads in args.threads:
+        for runtime, _ in loaded:
+            set_threads(runtime, threads)
+        contenders = [instance for _, instance in loaded]
+        medians: dict[tuple[str, int], list[list[float]]] = {call: [] for call in calls}
+        for _ in range(args.rounds):
+            for kind, at in calls:
+                timings = (
+                    time_prefill(contenders, tokens, at, settings)
+                    if kind == "prefill"
+                    else time_decode(contenders, tokens, at, longest, settings)
+                )
+                medians[(kind, at)].append([t.median_ms for t in timings])
+        print(f"\n{threads} thread{'s' if threads > 1 else ''}, {args.rounds} rounds")
+        print(table(names, calls, medians))
+    return 0
+
+
+def table(
+    names: Sequence[str],
+    calls: Sequence[tuple[str, int]],
+    medians: dict[tuple[str, int], list[list[float]]],
+) -> str:
+    """One row per call: each artifact's median ms and tokens/s, the first one's spread over
+    rounds, and every other's median over the first one's."""
+    headers = ["call"]
+    for name in names:
+        headers += [f"{name} ms", f"{name} tok/s"]
+    headers += ["spread", *(f"{names[0]} vs {name}" for name in names[1:])]
+    rows = []
+    for kind, at in calls:
+        rounds = medians[(kind, at)]
+        per_artifact = [statistics.median(r[i] for r in rounds) for i in range(len(names))]
+        count = at if kind == "prefill" else 1
+        row: list[str] = [f"prefill seq={at}" if kind == "prefill" else f"decode pos={at}"]
+        for ms in per_artifact:
+            row += [f"{ms:.3f}", f"{count * 1e3 / ms:.0f}"]
+        first = [r[0] for r in rounds]
+        row.append(f"{max(first) / min(first):.2f}")
+        row += [f"{other / per_artifact[0]:.2f}x" for other in per_artifact[1:]]
+        rows.append(row)
+    return tabulate(rows, headers=headers, disable_numparse=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
