@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import transformers
 from transformers import PreTrainedModel
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
@@ -82,6 +83,16 @@ def declare_causal_lm(
         tokens = torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator)
         return tokens, torch.arange(sizes["seq"])
 
+    if not type(model)._can_compile_fullgraph:
+        # transformers' own mark of the classes whose forward runs over a StaticCache in one
+        # graph (torch.compile's fullgraph); the others need a cache of another kind (GPT-Neo's
+        # "needs a hybrid cache", Mamba's recurrent state), which StaticCacheLM does not build.
+        raise ConfigError(
+            f"model.kv_cache=static: transformers {transformers.__version__} cannot run "
+            f"{type(model).__name__} ({model.config.model_type}) over a static KV cache in one "
+            "graph (its class sets _can_compile_fullgraph=False); export it with "
+            "model.kv_cache=none."
+        )
     if max_positions is not None and max_cache_len > max_positions:
         raise ConfigError(
             f"model.max_cache_len is {max_cache_len}, beyond the model's {max_positions} "
