@@ -16,8 +16,8 @@ from tests.test_kv_cache import SMALL
 from tests.test_localize import job_in_process
 
 
-# The AOTInductor job compiles for a minute on a quiet 2-core machine (337 s under load): it
-# runs with -m slow, as the other Llama packages do (tests/test_aoti.py).
+# The AOTInductor job took 87 s and, as a test, 337 s on a busy 2-core machine, most of it the
+# compile: it runs with -m slow, as the other Llama packages do (tests/test_aoti.py).
 @pytest.fixture(scope="module")
 def aoti_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """One AOTInductor KV-cache job (its compile is the slow part): its run dir and report."""
