@@ -357,20 +357,14 @@ def assert_kv_sessions_pass(run_dir: Path, checkpoint: Path, backend: str) -> No
     assert report["greedy"]["artifact_parts_from_oracle_at"] is None
 
 
-def test_a_class_transformers_cannot_run_over_a_static_cache_is_refused(tmp_path: Path) -> None:
+def test_a_model_without_attention_caches_is_refused_with_a_static_cache(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    neo = transformers.GPTNeoConfig(
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        attention_types=[[["global", "local"], 1]],
-        vocab_size=256,
-        max_position_embeddings=128,
-        window_size=8,
+    mamba = transformers.MambaConfig(
+        hidden_size=32, num_hidden_layers=2, vocab_size=256, state_size=4
     )
-    transformers.GPTNeoForCausalLM(neo).save_pretrained(tmp_path)
-    refused = r"cannot run GPTNeoForCausalLM \(gpt_neo\) over a static KV cache"
+    transformers.MambaForCausalLM(mamba).save_pretrained(tmp_path)
+    refused = r"cannot build a static KV cache for MambaForCausalLM \(mamba\): AttributeError"
     with pytest.raises(ConfigError, match=refused):
         models.build(hf(tmp_path, kv_cache=KvCache.static), {"seq": DimBounds(min=1, max=16)})
-    # Without a cache it exports as before.
+    # Without a cache it builds as before.
     assert models.build(hf(tmp_path), SEQ).decoder is None

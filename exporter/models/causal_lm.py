@@ -83,23 +83,24 @@ def declare_causal_lm(
         tokens = torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator)
         return tokens, torch.arange(sizes["seq"])
 
-    if not type(model)._can_compile_fullgraph:
-        # transformers' own mark of the classes whose forward runs over a StaticCache in one
-        # graph (torch.compile's fullgraph); the others need a cache of another kind (GPT-Neo's
-        # "needs a hybrid cache", Mamba's recurrent state), which StaticCacheLM does not build.
-        raise ConfigError(
-            f"model.kv_cache=static: transformers {transformers.__version__} cannot run "
-            f"{type(model).__name__} ({model.config.model_type}) over a static KV cache in one "
-            "graph (its class sets _can_compile_fullgraph=False); export it with "
-            "model.kv_cache=none."
-        )
     if max_positions is not None and max_cache_len > max_positions:
         raise ConfigError(
             f"model.max_cache_len is {max_cache_len}, beyond the model's {max_positions} "
             f"positions; allowed: 2..{max_positions}."
         )
+    try:
+        module = StaticCacheLM(model, max_cache_len)
+    except (AttributeError, TypeError, ValueError) as error:
+        # transformers' StaticCache is made of attention layers' keys and values, from the
+        # config's head counts: a recurrent state (Mamba, RecurrentGemma's linear attention)
+        # has neither, and the cache fails to build, with an AttributeError from deep inside.
+        raise ConfigError(
+            f"model.kv_cache=static: transformers {transformers.__version__} cannot build a "
+            f"static KV cache for {type(model).__name__} ({model.config.model_type}): "
+            f"{type(error).__name__}: {error}. Export it with model.kv_cache=none."
+        ) from error
     return ModelDeclaration(
-        module=StaticCacheLM(model, max_cache_len).eval(),
+        module=module.eval(),
         input_names=("input_ids", "cache_position"),
         output_names=("logits",),
         dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
