@@ -17,7 +17,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
 from exporter import models
-from exporter.config import DimBounds, HfConfig, ModelDtype
+from exporter.config import DimBounds, HfConfig, KvCache, ModelDtype
 from exporter.errors import ConfigError
 from exporter.models import DynamicDim
 from exporter.validate.plan import plan
@@ -303,3 +303,66 @@ def test_a_checkpoints_config_json_is_refused_before_torch_loads(
     assert "torch imported: False" in output
     assert not (tmp_path / "run").exists()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+# The architecture whose static-cache job runs by default: GPT-2, with its learned positions and
+# fused qkv; the rotary decoders build their caches as model=llama does (tests/test_kv_cache.py),
+# and Gemma2's sliding window has its own test below.
+DEFAULT_KV_CACHE_JOBS = {"gpt2"}
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        *(
+            pytest.param(
+                name, "eager", marks=[] if name in DEFAULT_KV_CACHE_JOBS else [pytest.mark.slow]
+            )
+            for name in sorted(ARCHITECTURES)
+        ),
+        pytest.param("gpt2", "executorch", marks=pytest.mark.slow),
+    ],
+)
+def test_each_architecture_passes_every_session_with_a_static_kv_cache(
+    name: str, backend: str, checkpoints, tmp_path: Path
+) -> None:
+    assert_kv_sessions_pass(tmp_path, checkpoints(name), backend)
+
+
+def test_a_sliding_window_shorter_than_the_cache_passes_every_session(tmp_path: Path) -> None:
+    # Gemma2's window layers keep 8 slots of a 16-slot cache: every decode step past position 8
+    # reads a window that has rolled over, as the oracle's sliding mask sees it.
+    gemma2 = ARCHITECTURES["gemma2"]
+    torch.manual_seed(0)
+    model = gemma2.model(gemma2.config(**gemma2.fields, sliding_window=8))
+    model.save_pretrained(tmp_path / "gemma2")
+    assert_kv_sessions_pass(tmp_path / "run", tmp_path / "gemma2", "eager")
+
+
+def assert_kv_sessions_pass(run_dir: Path, checkpoint: Path, backend: str) -> None:
+    record, report = job_in_process(
+        run_dir,
+        "model=hf",
+        f"model.checkpoint={checkpoint}",
+        f"backend={backend}",
+        "model.kv_cache=static",
+        "dynamic.seq.max=16",
+    )
+    assert record.error is None
+    steps = [e["shape"] for e in report["executions"]]
+    assert {s["session"] for s in steps if s["pos"] == 15} == {0, 1}
+    assert all(e["passed"] for e in report["executions"])
+    assert report["greedy"]["artifact_parts_from_oracle_at"] is None
+
+
+def test_a_model_without_attention_caches_is_refused_with_a_static_cache(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mamba = transformers.MambaConfig(
+        hidden_size=32, num_hidden_layers=2, vocab_size=256, state_size=4
+    )
+    transformers.MambaForCausalLM(mamba).save_pretrained(tmp_path)
+    refused = r"cannot build a static KV cache for MambaForCausalLM \(mamba\): AttributeError"
+    with pytest.raises(ConfigError, match=refused):
+        models.build(hf(tmp_path, kv_cache=KvCache.static), {"seq": DimBounds(min=1, max=16)})
+    # Without a cache it builds as before.
+    assert models.build(hf(tmp_path), SEQ).decoder is None

@@ -12,8 +12,8 @@ from exporter import export, models
 from exporter.errors import ConfigError
 from runtimes import load
 from runtimes.verdict.sessions import Cache, CacheRefused
-from tests.test_audit import composed
 from tests.conftest import job_in_process
+from tests.test_audit import composed
 
 # One layer and 16 cache slots: every step of three sessions runs in a second.
 SMALL = ("model.num_hidden_layers=1", "model.kv_cache=static", "dynamic.seq.max=16")

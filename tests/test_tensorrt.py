@@ -254,6 +254,22 @@ def test_profiles_of_the_llama_follow_dynamic_seq() -> None:
     assert ids.dims == {1: "seq"}
 
 
+def test_profiles_of_a_kv_cache_llama_share_seq_between_ids_and_positions() -> None:
+    # One dim across both inputs: an engine built for ids and positions of different lengths
+    # would accept calls the cache cannot take.
+    job = config.to_job(composed("model=llama", "model.kv_cache=static", "dynamic.seq.max=16"))
+    ids, positions = profiles(models.build(job.model, job.dynamic))
+    assert (ids.name, ids.min_shape, ids.opt_shape, ids.max_shape) == (
+        "input_ids",
+        (1, 1),
+        (1, 8),
+        (1, 16),
+    )
+    assert (positions.name, positions.dtype) == ("cache_position", torch.int64)
+    assert (positions.min_shape, positions.opt_shape, positions.max_shape) == ((1,), (8,), (16,))
+    assert (ids.dims, positions.dims) == ({1: "seq"}, {0: "seq"})
+
+
 # A report as torch-tensorrt 2.14's _DryRunTracker.dryrun_stats_display writes it.
 REPORT = "\n".join(
     [
@@ -343,6 +359,19 @@ def test_without_torch_tensorrt_the_job_exits_2_before_any_work(
     assert not (result.run_dir / "program.pt2").exists()
     # Refused before its work began: a single job records no MLflow run.
     assert result.mlflow_runs() == []
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_tensorrt") is not None, reason="torch-tensorrt is installed"
+)
+def test_a_kv_cache_model_composes_and_exits_2_naming_what_tensorrt_needs(
+    exporter_cli: Callable[..., CliResult],
+) -> None:
+    result = exporter_cli("backend=tensorrt", "model.kv_cache=static", "dynamic.seq.max=16")
+    assert_user_error(
+        result, 2, "backend=tensorrt needs torch-tensorrt", "pip install torch-tensorrt==2.14.0"
+    )
+    assert not (result.run_dir / "program.pt2").exists()
 
 
 def test_a_contradiction_exits_2_whether_or_not_torch_tensorrt_is_installed(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import transformers
 from transformers import PreTrainedModel
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
@@ -87,8 +88,19 @@ def declare_causal_lm(
             f"model.max_cache_len is {max_cache_len}, beyond the model's {max_positions} "
             f"positions; allowed: 2..{max_positions}."
         )
+    try:
+        module = StaticCacheLM(model, max_cache_len)
+    except (AttributeError, TypeError, ValueError) as error:
+        # transformers' StaticCache is made of attention layers' keys and values, from the
+        # config's head counts: a recurrent state (Mamba, RecurrentGemma's linear attention)
+        # has neither, and the cache fails to build, with an AttributeError from deep inside.
+        raise ConfigError(
+            f"model.kv_cache=static: transformers {transformers.__version__} cannot build a "
+            f"static KV cache for {type(model).__name__} ({model.config.model_type}): "
+            f"{type(error).__name__}: {error}. Export it with model.kv_cache=none."
+        ) from error
     return ModelDeclaration(
-        module=StaticCacheLM(model, max_cache_len).eval(),
+        module=module.eval(),
         input_names=("input_ids", "cache_position"),
         output_names=("logits",),
         dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},

@@ -42,6 +42,10 @@ class PolicyPartitioner(Partitioner):
         self.small_blocks: dict[str, int] = {}
         # Op name -> the partitioner's reasons for refusing nodes of it.
         self.refusals: dict[str, set[str]] = defaultdict(set)
+        # The program's mutable buffers: placeholder name -> buffer name.
+        self.mutable_buffers: dict[str, str] = {}
+        # The ops of the nodes that read them, kept off every delegate.
+        self.reader_ops: set[torch._ops.OpOverload] = set()
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -55,6 +59,15 @@ class PolicyPartitioner(Partitioner):
             for node in exported_program.graph.nodes
             if node.op == "call_function" and self.policy.reason(node)
         }
+        self.mutable_buffers = _mutable_buffers(exported_program)
+        self.reader_ops = {
+            reader.target
+            for node in exported_program.graph.nodes
+            if node.name in self.mutable_buffers
+            for reader in node.users
+            if reader.op == "call_function"
+        }
+        blocked |= self.reader_ops
         result = WebGPUPartitioner(operator_blocklist=list(blocked)).partition(exported_program)
         result = self._without_small_blocks(result)
         progress.doing(delegating(result, "WebGPU"))
@@ -102,6 +115,17 @@ class PolicyPartitioner(Partitioner):
         kept_off = self.policy.kept_off(node, self.small_blocks)
         if kept_off:
             return kept_off
+        read = [b for n in node.all_input_nodes if (b := self.mutable_buffers.get(n.name))]
+        if read:
+            return UNSUPPORTED, (
+                f"it reads the mutable buffer {read[0]}, which a VulkanBackend payload would hold "
+                "as a constant: mutable buffers and their readers stay in the program"
+            )
+        if node.target in self.reader_ops:
+            return UNSUPPORTED, (
+                "another node of its op reads a mutable buffer, and the partitioner keeps ops, "
+                "not nodes, off the delegates"
+            )
         name = op_name(node)
         reasons = self.refusals.get(name, set()) | self.refusals.get(
             name.removeprefix("aten."), set()
@@ -109,3 +133,20 @@ class PolicyPartitioner(Partitioner):
         if not reasons:
             return UNSUPPORTED, "the WebGPU partitioner took no node of it"
         return UNSUPPORTED, f"WebGPU partitioner: {'; '.join(sorted(reasons))}"
+
+
+def _mutable_buffers(program: ExportedProgram) -> dict[str, str]:
+    """The buffers the program mutates (a KV cache's slots and fill count), by the name of
+    their placeholders. The nodes that read them are kept off every delegate, by op (the
+    partitioner blocks ops, not nodes). ExecuTorch 1.5's Vulkan serializer stores a buffer a
+    delegate reads as a constant of the payload, its value at export, though the program passes
+    the buffer's current value in: a delegate holding such a node would read a cache that never
+    fills. Handing the buffer to the delegate instead (the partitioner's tag_mutated_buffer)
+    fails to_backend ("Buffer output ... does not point to a buffer that exists"). Off the
+    delegates, these nodes run on the CPU over the program's own buffers, which the program
+    writes back after each call: the cache lives across the calls of one loaded program."""
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    return {
+        name: buffer for name, buffer in signature.inputs_to_buffers.items() if buffer in mutated
+    }

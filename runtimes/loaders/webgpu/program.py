@@ -201,12 +201,17 @@ class WebgpuProgram:
 
 
 def _initial(value: Any) -> Any:
-    """A value's state before the first run: constants as tensors, planned tensors empty."""
+    """A value's state before the first run: constants as tensors, planned tensors zeros.
+
+    A mutable buffer without an initial state in the program (a KV cache) is a planned tensor
+    too: it starts at zero, as transformers' cache does, since its unwritten slots are read
+    (with zero attention weight, which would not cancel a NaN that uninitialized memory can
+    hold). Its value then persists from run to run, as the program writes it back after each."""
     if isinstance(value, TensorValue):
         if value.constant is not None:
             flat = torch.frombuffer(bytearray(value.constant), dtype=value.dtype)
             return flat.reshape(value.sizes)
-        return torch.empty(value.sizes, dtype=value.dtype)
+        return torch.zeros(value.sizes, dtype=value.dtype)
     return value
 
 
