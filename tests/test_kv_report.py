@@ -1,7 +1,9 @@
 """Where a KV-cache job's sessions show: report.json's sessions, the terminal's table of them and
 its closing greedy line, MLflow metrics stepped by position, the plots per position, the weights
-audit that skips the cache's buffers, and the bundle that `python -m runtimes.check` replays by
-session."""
+audit that skips the cache's buffers, the bundle that `python -m runtimes.check` replays by
+session; and its benchmark: prefill at seq's min, middle and max from position 0, a decode step
+at the first decode step's fill, half the cache and its last slot, beside eager running the same
+cache, in report.json, MLflow's metrics and the summary. One job serves every test."""
 
 from __future__ import annotations
 
@@ -24,9 +26,7 @@ STEPS_RUN = [16, 8, 1]
 
 @pytest.fixture(scope="module")
 def kv_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
-    result = run_exporter(
-        tmp_path_factory.mktemp("kv"), "backend=executorch", *SMALL, "benchmark=off"
-    )
+    result = run_exporter(tmp_path_factory.mktemp("kv"), "backend=executorch", *SMALL)
     assert result.exit_code == 0, result.output
     return result
 
@@ -162,3 +162,60 @@ def test_the_bundle_check_fails_where_a_step_fails(kv_job: CliResult, tmp_path: 
     ]
     assert failed == [worst[:2]]
     assert [s["passed"] for s in checked["sessions"]] == [n != worst[0] for n in range(3)]
+
+
+def test_prefill_and_decode_are_timed_beside_eager(kv_job: CliResult) -> None:
+    timed = kv_job.report()["benchmark"]
+    # Prefills of the sessions' lengths, each from position 0.
+    assert [(c["position"], c["tokens"]) for c in timed["prefill"]] == [(0, 1), (0, 9), (0, 16)]
+    # A decode step after the shortest prefill, at half the 16 slots and at the last slot.
+    assert [(c["position"], c["tokens"]) for c in timed["decode"]] == [(1, 1), (8, 1), (15, 1)]
+    assert timed["shapes"] == []
+    speedups = []
+    for call in timed["prefill"] + timed["decode"]:
+        assert 0 < call["min_ms"] <= call["median_ms"] <= call["p90_ms"]
+        assert call["runs"] >= 1
+        assert call["tokens_per_s"] == pytest.approx(call["tokens"] * 1e3 / call["median_ms"])
+        eager = call["eager"]
+        assert eager["median_ms"] > 0
+        assert call["eager_tokens_per_s"] == pytest.approx(
+            call["tokens"] * 1e3 / eager["median_ms"]
+        )
+        assert call["speedup_vs_eager"] == pytest.approx(eager["median_ms"] / call["median_ms"])
+        speedups.append(call["speedup_vs_eager"])
+    assert timed["worst_speedup_vs_eager"] == pytest.approx(min(speedups))
+
+
+def test_mlflow_gets_tokens_per_second_stepped_by_length_and_fill(kv_job: CliResult) -> None:
+    (run,) = kv_job.mlflow_runs()
+    client = MlflowClient(kv_job.tracking_uri)
+
+    def steps(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    timed = kv_job.report()["benchmark"]
+    decode = {c["position"]: c for c in timed["decode"]}
+    prefill = {c["tokens"]: c for c in timed["prefill"]}
+    assert steps("decode_ms") == {p: pytest.approx(c["median_ms"]) for p, c in decode.items()}
+    assert steps("decode_tokens_per_s") == {
+        p: pytest.approx(c["tokens_per_s"]) for p, c in decode.items()
+    }
+    assert steps("eager_decode_ms").keys() == {1, 8, 15}
+    assert steps("decode_speedup_vs_eager").keys() == {1, 8, 15}
+    assert steps("prefill_tokens_per_s") == {
+        n: pytest.approx(c["tokens_per_s"]) for n, c in prefill.items()
+    }
+    assert steps("prefill_speedup_vs_eager").keys() == {1, 9, 16}
+    # The live shapes' latency is for models without a cache.
+    assert "latency_ms" not in run.data.metrics
+
+
+def test_the_summary_gets_decode_and_prefill_tokens_per_second(kv_job: CliResult) -> None:
+    timed = kv_job.report()["benchmark"]
+    summary = json.loads((kv_job.run_dir / "summary.json").read_text())
+    assert summary["decode_tokens_per_s"] == pytest.approx(timed["decode"][-1]["tokens_per_s"])
+    assert summary["prefill_tokens_per_s"] == pytest.approx(timed["prefill"][-1]["tokens_per_s"])
+    assert summary["worst_speedup_vs_eager"] == pytest.approx(timed["worst_speedup_vs_eager"])
+    assert summary["speedup_vs_eager"] == []
+    decode = f"[job] decode {summary['decode_tokens_per_s']:.0f} tokens/s at the last slot"
+    assert decode in kv_job.output
