@@ -50,6 +50,8 @@ from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
 from runtimes.verdict.sessions import judged as judged_steps
+from runtimes.verdict.sessions import step_inputs
+from runtimes.verdict.sessions import steps as steps_of
 from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
@@ -671,7 +673,8 @@ def _replay(
     report: validate.Report, expected: stored_goldens.Goldens, tolerances: validate.Tolerances
 ) -> localize.Replay:
     """Validation's executions up to the first whose values failed, or where none did, up to
-    the one with the largest error under the rule."""
+    the one with the largest error under the rule; for a model with a KV cache, every call of
+    the sessions up to that step."""
     executions = report.executions
     failed = [i for i, e in enumerate(executions) if any(o.values_differ for o in e.outputs)]
 
@@ -679,14 +682,32 @@ def _replay(
         return max(o.ratio if tolerances.scaled else o.needed_atol for o in executions[i].outputs)
 
     last = failed[0] if failed else max(range(len(executions)), key=error)
+    shape = executions[last].shape
+    if expected.sessions:
+        return localize.Replay(_session_calls(expected.sessions, shape), shape, bool(failed))
     return localize.Replay(
         tuple(
             (expected.cases[label(e.shape)][0], e.instance == NEW_INSTANCE)
             for e in executions[: last + 1]
         ),
-        executions[last].shape,
+        shape,
         diverged=bool(failed),
     )
+
+
+def _session_calls(
+    planned: Sequence[dict], shape: LiveShape
+) -> tuple[tuple[localize.Inputs, bool], ...]:
+    """Every call validation made on its one instance up to the step `shape`, judged or not:
+    the sessions before its session, then its own steps up to it, so that the cache holds what
+    it held there (an earlier session's entries included)."""
+    calls = []
+    for index, session in enumerate(planned[: shape["session"] + 1]):
+        for step in steps_of(index, session):
+            if index == shape["session"] and step["pos"] > shape["pos"]:
+                break
+            calls.append((step_inputs(session, step), not calls))
+    return tuple(calls)
 
 
 def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:

@@ -50,7 +50,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter.localize.cut import cut, tensor_nodes
-from exporter.localize.node_values import node_values
+from exporter.localize.node_values import Buffers, node_values
 from exporter.process import interrupts
 from exporter.process.quiet_logs import quieted
 from runtimes import Loaded
@@ -89,6 +89,13 @@ class Replay:
     executions: tuple[tuple[Inputs, bool], ...]
     shape: LiveShape
     diverged: bool = True
+
+    def calls_before(self) -> tuple[Inputs, ...]:
+        """The calls the last execution's instance took before it: what a program with state
+        (a KV cache) had written into its buffers when it ran the last."""
+        fresh = [i for i, (_, new) in enumerate(self.executions) if new]
+        first = fresh[-1] if fresh else 0
+        return tuple(inputs for inputs, _ in self.executions[first:-1])
 
 
 @dataclass(frozen=True)
@@ -308,6 +315,13 @@ class _Search:
         self.relowering = ""
         # Known: the nodes up to `low` are within (-1: none is known), the node at `high` is not.
         self.low, self.high = -1, self._failing_output()
+        # Eager's buffers as the calls before the last left them (a KV cache), once needed.
+        self._buffers: Buffers | None = None
+
+    def buffers(self) -> Buffers:
+        if self._buffers is None:
+            self._buffers = Buffers.after(self.program, self.replay.calls_before())
+        return self._buffers
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -382,7 +396,7 @@ class _Search:
             log.info("[localize] a cut after %s fails: %s: %s", names, type(error).__name__, error)
             return None
         inputs = self.replay.executions[-1][0]
-        expected = node_values(self.program, inputs, names)
+        expected = node_values(self.program, inputs, names, self.buffers())
         # The next estimate's: eager's values are part of what a cut costs.
         self.costs[length] = time.perf_counter() - start
         return [
