@@ -49,9 +49,8 @@ from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
+from runtimes.verdict.sessions import calls_up_to
 from runtimes.verdict.sessions import judged as judged_steps
-from runtimes.verdict.sessions import step_inputs
-from runtimes.verdict.sessions import steps as steps_of
 from runtimes.verdict.shapes import NEW_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,8 @@ class ProgramFile:
     profiles: tuple[export.shapes.InputProfile, ...]
     material: dict[str, Any]
     diagnosis: export.Diagnosis | None
+    # What an LLM runner reads of the artifact, which lowering writes into it.
+    runner_metadata: models.RunnerMetadata
 
     @property
     def path(self) -> Path:
@@ -79,7 +80,7 @@ class ProgramFile:
 
     def load(self) -> Exported:
         progress.doing("loading the exported program")
-        return export.load(self.folder, self.profiles)
+        return export.load(self.folder, self.profiles, self.runner_metadata)
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,7 @@ def _export(
     # The cache's entry stays; with the cache off, the staging folder went and the run dir's
     # links are the files.
     kept = folder if store.cache is not None else store.run_dir
-    return ProgramFile(kept, export.profiles(bundle), material, diagnosis)
+    return ProgramFile(kept, export.profiles(bundle), material, diagnosis, bundle.runner_metadata())
 
 
 def _goldens(
@@ -684,7 +685,11 @@ def _replay(
     last = failed[0] if failed else max(range(len(executions)), key=error)
     shape = executions[last].shape
     if expected.sessions:
-        return localize.Replay(_session_calls(expected.sessions, shape), shape, bool(failed))
+        # One instance took every call, as validation ran them.
+        calls = calls_up_to(expected.sessions, shape)
+        return localize.Replay(
+            tuple((call, i == 0) for i, call in enumerate(calls)), shape, bool(failed)
+        )
     return localize.Replay(
         tuple(
             (expected.cases[label(e.shape)][0], e.instance == NEW_INSTANCE)
@@ -693,21 +698,6 @@ def _replay(
         shape,
         diverged=bool(failed),
     )
-
-
-def _session_calls(
-    planned: Sequence[dict], shape: LiveShape
-) -> tuple[tuple[localize.Inputs, bool], ...]:
-    """Every call validation made on its one instance up to the step `shape`, judged or not:
-    the sessions before its session, then its own steps up to it, so that the cache holds what
-    it held there (an earlier session's entries included)."""
-    calls = []
-    for index, session in enumerate(planned[: shape["session"] + 1]):
-        for step in steps_of(index, session):
-            if index == shape["session"] and step["pos"] > shape["pos"]:
-                break
-            calls.append((step_inputs(session, step), not calls))
-    return tuple(calls)
 
 
 def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:
