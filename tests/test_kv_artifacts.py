@@ -178,3 +178,29 @@ def test_a_cache_write_that_forgets_is_named_at_the_step_where_it_shows(tmp_path
     assert found.shape == shape
     assert "cache_utils.py" in found.source and "self.keys.index_copy_(" in found.source
     assert found.module == "model.model.layers.0.self_attn (LlamaAttention)"
+
+
+@pytest.mark.slow
+def test_a_lowering_that_makes_the_cache_forget_is_named_by_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same fault made by the executorch backend's own rewrites: the job fails at the first
+    decode step and its search, lowering cut parts with the same rewrites, names the write."""
+    from exporter.backends.common import xnnpack_rewrites
+
+    for_xnnpack = xnnpack_rewrites.for_xnnpack
+    monkeypatch.setattr(
+        xnnpack_rewrites, "for_xnnpack", lambda p: forget_cache_writes(for_xnnpack(p))
+    )
+    record, report = job_in_process(tmp_path, "backend=executorch", *SMALL)
+    assert record.exit_code == 1
+    first = {"session": 0, "pos": 1, "seq": 1}
+    assert report["first_failed_step"] == first
+    found = report["first_divergence"]
+    assert (found["node"], found["op"], found["shape"]) == (
+        "index_copy_",
+        "aten.index_copy_.default",
+        first,
+    )
+    assert "self.keys.index_copy_(" in found["source"]
+    assert "The first node that diverges is index_copy_" in str(record.error)

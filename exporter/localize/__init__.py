@@ -22,6 +22,11 @@ cuts after all of them, the node known to diverge, and the nodes up to `UPSTREAM
 each: where one of those diverges too, the search goes on before it, so the node named is one
 that diverges while nothing just above it does.
 
+A model with a KV cache fails at a step of a session: the replay is every call that validation
+made on its one instance up to that step, so that each lowered part's cache buffers hold what
+the artifact's held there, and eager's node values come from the program run through the same
+calls, its buffers carried from each to the next (exporter/localize/node_values.py).
+
 Before searching, the whole program is lowered again to see whether the artifact judged is what
 lowering makes now: where that artifact passes at the failing shape, it is not (tampered, stale
 or corrupted), and no node is named. That lowering is skipped, and the result says why, where
