@@ -61,7 +61,9 @@ def forgetful(module: StaticCacheLM) -> None:
     module.__class__ = Forgetful
 
 
-def lowered(out_dir: Path, backend: str, plant=None) -> Artifact:
+def lowered(
+    out_dir: Path, backend: str, plant: Callable[[StaticCacheLM], None] | None = None
+) -> Artifact:
     """The small model's artifact, `plant(module)` changing its cache first."""
     job = composed(f"backend={backend}", *SMALL)
     bundle = models.build(job.model, job.dynamic)
@@ -128,6 +130,11 @@ def test_a_cache_not_kept_between_calls_fails_at_the_first_decode_step(tmp_path:
     found = report["first_divergence"]
     assert (found["reproduced"], found["shape"]) == (False, first)
     assert "not what lowering makes now" in found["reason"]
+    # Its weights are the model's, its cache saved empty as the model's was built; the goldens'
+    # sessions, which filled the model's cache, do not make it differ.
+    audit = report["weights_audit"]
+    assert audit["passed"] and audit["mismatched"] == []
+    assert "key_cache_0" in audit["checked_at"]
 
 
 def forget_cache_writes(program: ExportedProgram) -> ExportedProgram:

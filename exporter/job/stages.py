@@ -211,6 +211,10 @@ class _Sequence:
                     produced.diagnosis = failure.diagnosis
                     raise
                 produced.diagnosis = program.diagnosis
+        # A given artifact's constants are audited against the model's own weights, its
+        # buffers copied before the goldens run it: a KV cache as export would save it (empty),
+        # not as the goldens' sessions leave it.
+        weights = {} if program else {**models.weights(bundle.module), **_buffers(bundle.module)}
         expected = None
         if self.backend.makes_runnable:
             # Before lowering: the oracle and eager's reference run on the module, which then
@@ -218,8 +222,6 @@ class _Sequence:
             with self.timed("goldens"):
                 device = self.backend.reference_device
                 expected = _goldens(bundle, model_material, job, device, self.store)
-        # A given artifact's constants are audited against the model's own weights.
-        weights = models.weights(bundle.module) if program is None else {}
         del bundle
         memory.release_freed()
         memory.spare_survivors()
@@ -308,6 +310,10 @@ class _Sequence:
             self.record.run_dir / REPORT_FILE,
             produced.benchmark.table(),
         )
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.clone() for name, buffer in module.named_buffers()}
 
 
 def _export(
