@@ -265,11 +265,7 @@ class Report:
                 "outputs": list(self.output_names),
                 "target": dict(self.target),
                 **({"greedy": self.generation.to_json()} if self.generation else {}),
-                **(
-                    {"first_failed_step": self.first_failed_step()}
-                    if self.first_failed_step()
-                    else {}
-                ),
+                **({"first_failed_step": step} if (step := self.first_failed_step()) else {}),
                 "shapes": [
                     {
                         "shape": result.shape,
