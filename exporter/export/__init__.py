@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from exporter.errors import ExportFailed
 from exporter.export import shapes
 from exporter.export.diagnosis import Diagnosis, diagnose
 from exporter.files import atomic_path
-from exporter.models import ModelBundle
+from exporter.models import ModelBundle, RunnerMetadata
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class Exported:
     inputs: tuple[shapes.InputProfile, ...]
     # Set when torch.export failed and the job went on with draft_export's program.
     diagnosis: Diagnosis | None = None
+    # What an LLM runner reads of the artifact (ModelBundle.runner_metadata): a backend whose
+    # format holds such metadata writes it (ExecuTorch's .pte, as methods returning constants).
+    runner_metadata: RunnerMetadata = field(default_factory=dict)
 
 
 def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> Exported:
@@ -97,7 +100,7 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     path = out_dir / PROGRAM_FILE
     with atomic_path(path) as temporary:
         torch.export.save(program, temporary)
-    return Exported(program, path, shapes.profiles(bundle), diagnosis)
+    return Exported(program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata())
 
 
 def profiles(bundle: ModelBundle) -> tuple[shapes.InputProfile, ...]:
@@ -105,9 +108,13 @@ def profiles(bundle: ModelBundle) -> tuple[shapes.InputProfile, ...]:
     return shapes.profiles(bundle)
 
 
-def load(folder: Path, profiles: tuple[shapes.InputProfile, ...]) -> Exported:
+def load(
+    folder: Path,
+    profiles: tuple[shapes.InputProfile, ...],
+    runner_metadata: RunnerMetadata | None = None,
+) -> Exported:
     """The program that `run` saved into `folder` (or a copy of it), as `run` returned it for
-    the bundle `profiles` came from."""
+    the bundle `profiles` and `runner_metadata` came from."""
     path = folder / PROGRAM_FILE
     program = torch.export.load(path)
-    return Exported(program, path, profiles, Diagnosis.read(folder))
+    return Exported(program, path, profiles, Diagnosis.read(folder), dict(runner_metadata or {}))

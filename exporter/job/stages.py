@@ -39,7 +39,6 @@ from exporter.files import write_json
 from exporter.job.produced import CacheUse, Produced
 from exporter.job.timing import Notify, stage
 from exporter.localize import repair
-from exporter.models.causal_lm import cache_buffers
 from exporter.process import memory, progress
 from exporter.tracking.record import JobRecord
 from exporter.validate import goldens, sessions
@@ -50,8 +49,8 @@ from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.report import json_safe
+from runtimes.verdict.sessions import calls_up_to, outline
 from runtimes.verdict.sessions import judged as judged_steps
-from runtimes.verdict.sessions import outline
 from runtimes.verdict.shapes import NEW_INSTANCE, SAME_INSTANCE, LiveShape, executions, label
 
 log = logging.getLogger(__name__)
@@ -72,9 +71,10 @@ class ProgramFile:
     profiles: tuple[export.shapes.InputProfile, ...]
     material: dict[str, Any]
     diagnosis: export.Diagnosis | None
-    # The program's buffers that it writes as it runs (a KV cache): state, which the weights
-    # audit skips. The program cannot say: torch.export keeps the cache's writes in place
-    # (index_copy_), and its signature lists no buffer mutation.
+    # What an LLM runner reads of the artifact, which lowering writes into it.
+    runner_metadata: models.RunnerMetadata
+    # The program's buffers that it writes as it runs (a KV cache), which the weights audit
+    # skips.
     state: frozenset[str] = frozenset()
 
     @property
@@ -83,7 +83,7 @@ class ProgramFile:
 
     def load(self) -> Exported:
         progress.doing("loading the exported program")
-        return export.load(self.folder, self.profiles)
+        return export.load(self.folder, self.profiles, self.runner_metadata)
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,10 @@ class _Sequence:
                     produced.diagnosis = failure.diagnosis
                     raise
                 produced.diagnosis = program.diagnosis
+        # A given artifact's constants are audited against the model's own weights, its
+        # buffers copied before the goldens run it: a KV cache as export would save it (empty),
+        # not as the goldens' sessions leave it.
+        weights = {} if program else {**models.weights(bundle.module), **_buffers(bundle.module)}
         expected = None
         if self.backend.makes_runnable:
             # Before lowering: the oracle and eager's reference run on the module, which then
@@ -223,9 +227,7 @@ class _Sequence:
             with self.timed("goldens"):
                 device = self.backend.reference_device
                 expected = _goldens(bundle, model_material, job, device, self.store)
-        # A given artifact's constants are audited against the model's own weights.
-        weights = models.weights(bundle.module) if program is None else {}
-        state = frozenset(cache_buffers(bundle.module))
+        state = _cache_buffers(bundle)
         del bundle
         memory.release_freed()
         memory.spare_survivors()
@@ -317,6 +319,10 @@ class _Sequence:
         )
 
 
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.clone() for name, buffer in module.named_buffers()}
+
+
 def _export(
     bundle: models.ModelBundle,
     model_material: dict[str, Any],
@@ -340,8 +346,13 @@ def _export(
     # The cache's entry stays; with the cache off, the staging folder went and the run dir's
     # links are the files.
     kept = folder if store.cache is not None else store.run_dir
-    state = frozenset(cache_buffers(bundle.module))
-    return ProgramFile(kept, export.profiles(bundle), material, diagnosis, state)
+    state = _cache_buffers(bundle)
+    metadata = bundle.runner_metadata()
+    return ProgramFile(kept, export.profiles(bundle), material, diagnosis, metadata, state)
+
+
+def _cache_buffers(bundle: models.ModelBundle) -> frozenset[str]:
+    return frozenset(bundle.decoder.cache_buffers if bundle.decoder else ())
 
 
 def _goldens(
@@ -692,7 +703,8 @@ def _replay(
     report: validate.Report, expected: stored_goldens.Goldens, tolerances: validate.Tolerances
 ) -> localize.Replay:
     """Validation's executions up to the first whose values failed, or where none did, up to
-    the one with the largest error under the rule."""
+    the one with the largest error under the rule; for a model with a KV cache, every call of
+    the sessions up to that step."""
     executions = report.executions
     failed = [i for i, e in enumerate(executions) if any(o.values_differ for o in e.outputs)]
 
@@ -700,12 +712,19 @@ def _replay(
         return max(o.ratio if tolerances.scaled else o.needed_atol for o in executions[i].outputs)
 
     last = failed[0] if failed else max(range(len(executions)), key=error)
+    shape = executions[last].shape
+    if expected.sessions:
+        # One instance took every call, as validation ran them.
+        calls = calls_up_to(expected.sessions, shape)
+        return localize.Replay(
+            tuple((call, i == 0) for i, call in enumerate(calls)), shape, bool(failed)
+        )
     return localize.Replay(
         tuple(
             (expected.cases[label(e.shape)][0], e.instance == NEW_INSTANCE)
             for e in executions[: last + 1]
         ),
-        executions[last].shape,
+        shape,
         diverged=bool(failed),
     )
 

@@ -22,6 +22,11 @@ cuts after all of them, the node known to diverge, and the nodes up to `UPSTREAM
 each: where one of those diverges too, the search goes on before it, so the node named is one
 that diverges while nothing just above it does.
 
+A model with a KV cache fails at a step of a session: the replay is every call that validation
+made on its one instance up to that step, so that each lowered part's cache buffers hold what
+the artifact's held there, and eager's node values come from the program run through the same
+calls, its buffers carried from each to the next (exporter/localize/node_values.py).
+
 Before searching, the whole program is lowered again to see whether the artifact judged is what
 lowering makes now: where that artifact passes at the failing shape, it is not (tampered, stale
 or corrupted), and no node is named. That lowering is skipped, and the result says why, where
@@ -50,7 +55,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter.localize.cut import cut, tensor_nodes
-from exporter.localize.node_values import node_values
+from exporter.localize.node_values import Buffers, node_values
 from exporter.process import interrupts
 from exporter.process.quiet_logs import quieted
 from runtimes import Loaded
@@ -89,6 +94,13 @@ class Replay:
     executions: tuple[tuple[Inputs, bool], ...]
     shape: LiveShape
     diverged: bool = True
+
+    def calls_before(self) -> tuple[Inputs, ...]:
+        """The calls the last execution's instance took before it: what a program with state
+        (a KV cache) had written into its buffers when it ran the last."""
+        fresh = [i for i, (_, new) in enumerate(self.executions) if new]
+        first = fresh[-1] if fresh else 0
+        return tuple(inputs for inputs, _ in self.executions[first:-1])
 
 
 @dataclass(frozen=True)
@@ -308,6 +320,13 @@ class _Search:
         self.relowering = ""
         # Known: the nodes up to `low` are within (-1: none is known), the node at `high` is not.
         self.low, self.high = -1, self._failing_output()
+        # Eager's buffers as the calls before the last left them (a KV cache), once needed.
+        self._buffers: Buffers | None = None
+
+    def buffers(self) -> Buffers:
+        if self._buffers is None:
+            self._buffers = Buffers.after(self.program, self.replay.calls_before())
+        return self._buffers
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -382,7 +401,7 @@ class _Search:
             log.info("[localize] a cut after %s fails: %s: %s", names, type(error).__name__, error)
             return None
         inputs = self.replay.executions[-1][0]
-        expected = node_values(self.program, inputs, names)
+        expected = node_values(self.program, inputs, names, self.buffers())
         # The next estimate's: eager's values are part of what a cut costs.
         self.costs[length] = time.perf_counter() - start
         return [

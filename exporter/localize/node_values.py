@@ -7,12 +7,18 @@ dtype an op names (a cast, a factory's dtype) read as float64: the exported grap
 model's dtype out, where the model's code, run in float64 for the goldens, followed its input.
 
 Both runs stop at the last node asked for: a cut near the front of a 1B model is judged without
-running the rest of it twice."""
+running the rest of it twice.
+
+A program that writes its buffers in place (a KV cache) is judged at a call after others: each
+run starts from the program's buffers, copied, and carries them through the calls before
+(`Buffers.after`), the float64 run's in float64, so that the node's value at the call reads the
+cache as that run filled it."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,15 +26,57 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+Inputs = Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """The program's buffers as the float64 run and the run at the model's dtype left them."""
+
+    wide: dict[str, torch.Tensor]
+    narrow: dict[str, torch.Tensor]
+
+    @staticmethod
+    def after(program: ExportedProgram, calls: Sequence[Inputs]) -> Buffers:
+        """The buffers after the program ran `calls` in order from its own buffers."""
+        wide, narrow = _initial(program, wide=True), _initial(program, wide=False)
+        for inputs in calls:
+            _Recorder(program, set(), wide=True).values(inputs, wide)
+            _Recorder(program, set(), wide=False).values(inputs, narrow)
+        return Buffers(wide, narrow)
+
+    def copied(self) -> Buffers:
+        return Buffers(_cloned(self.wide), _cloned(self.narrow))
+
 
 def node_values(
-    program: ExportedProgram, inputs: Sequence[torch.Tensor], names: Iterable[str]
+    program: ExportedProgram,
+    inputs: Inputs,
+    names: Iterable[str],
+    buffers: Buffers | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per node of `names`: (its float64 value, its value at the model's dtype)."""
+    """Per node of `names`: (its float64 value, its value at the model's dtype), from the
+    program's own buffers or from `buffers` (which the call leaves as it found them)."""
     wanted = set(names)
-    narrow = _Recorder(program, wanted, wide=False).values(inputs)
-    wide = _Recorder(program, wanted, wide=True).values(inputs)
+    start = (buffers or Buffers(_initial(program, True), _initial(program, False))).copied()
+    narrow = _Recorder(program, wanted, wide=False).values(inputs, start.narrow)
+    wide = _Recorder(program, wanted, wide=True).values(inputs, start.wide)
     return {name: (wide[name], narrow[name]) for name in wanted}
+
+
+def _initial(program: ExportedProgram, wide: bool) -> dict[str, torch.Tensor]:
+    """Copies of the program's buffers (a run writes them in place), widened for the float64
+    run."""
+    buffers = {
+        spec.target: program.state_dict.get(spec.target, program.constants.get(spec.target))
+        for spec in program.graph_signature.input_specs
+        if spec.kind is InputKind.BUFFER
+    }
+    return _cloned({k: _widened(v) if wide else v for k, v in buffers.items()})
+
+
+def _cloned(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in buffers.items()}
 
 
 class _AllRecorded(Exception):
@@ -43,7 +91,8 @@ class _Recorder(torch.fx.Interpreter):
         self.wide = wide
         self.recorded: dict[str, torch.Tensor] = {}
 
-    def values(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def values(self, inputs: Inputs, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The wanted nodes' values; the program's in-place writes land in `buffers`."""
         user_inputs = iter(inputs)
         args = []
         for spec in self.program.graph_signature.input_specs:
@@ -52,6 +101,8 @@ class _Recorder(torch.fx.Interpreter):
                 args.append(_widened(value) if self.wide else value)
             elif spec.kind is InputKind.TOKEN:
                 args.append(torch.empty(0))
+            elif spec.kind is InputKind.BUFFER:
+                args.append(buffers[spec.target])
             elif spec.target in self.program.state_dict:
                 args.append(self.program.state_dict[spec.target])
             else:
@@ -63,7 +114,8 @@ class _Recorder(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node) -> Any:
         value = super().run_node(node)
         if node.name in self.wanted:
-            self.recorded[node.name] = value
+            # A copy: a later in-place write (the cache's) must not change the value recorded.
+            self.recorded[node.name] = value.clone()
             if len(self.recorded) == len(self.wanted):
                 raise _AllRecorded
         return value

@@ -27,6 +27,8 @@ class DynamicDim:
 
 # Sizes of every dynamic dim and a seed -> the model's positional inputs at those sizes.
 InputMaker = Callable[[Mapping[str, int], int], tuple[torch.Tensor, ...]]
+# A program's metadata by name: an int, a flag or a list of ints each.
+RunnerMetadata = dict[str, int | bool | list[int]]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,31 @@ class Decoder:
     uncached: torch.nn.Module
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # The module's buffers that hold the cache: state the program writes as it runs, not
+    # weights (the weights audit skips them). The program cannot say: torch.export keeps the
+    # cache's writes in place (index_copy_), and its signature lists no buffer mutation.
+    cache_buffers: tuple[str, ...] = ()
+
+    def runner_metadata(self, seq: DynamicDim) -> RunnerMetadata:
+        """What an LLM runner reads of the program before running it, under the names of
+        ExecuTorch's runners (extension/llm/runner/constants.h): the longest call (`seq`'s
+        max), the cache's slots, the vocabulary, the layers, a KV cache in plain ops (no
+        custom SDPA-with-cache op), whether the call's length is dynamic, and BOS/EOS where
+        the checkpoint has them."""
+        metadata: RunnerMetadata = {
+            "get_max_seq_len": seq.max,
+            "get_max_context_len": self.max_cache_len,
+            "get_vocab_size": self.vocab_size,
+            "get_n_layers": self.layers,
+            "use_kv_cache": True,
+            "use_sdpa_with_kv_cache": False,
+            "enable_dynamic_shape": not seq.is_static,
+        }
+        if self.bos_id is not None:
+            metadata["get_bos_id"] = self.bos_id
+        if self.eos_ids:
+            metadata["get_eos_ids"] = list(self.eos_ids)
+        return metadata
 
 
 @dataclass(frozen=True)
@@ -61,6 +88,13 @@ class ModelBundle:
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
+
+    def runner_metadata(self) -> RunnerMetadata:
+        """What an LLM runner reads of the program (a model with a KV cache; else nothing)."""
+        if self.decoder is None:
+            return {}
+        (seq,) = self.dims
+        return self.decoder.runner_metadata(seq)
 
 
 @dataclass(frozen=True)

@@ -114,21 +114,14 @@ def declare_causal_lm(
             uncached=LogitsOnly(model).eval(),
             bos_id=model.config.bos_token_id,
             eos_ids=_eos_ids(model.config.eos_token_id),
+            # StaticCacheLM's own buffers are its cache's, per layer: keys, values, fill count.
+            cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
         ),
         # The cache's in-place writes become mutable buffers only in strict export (torch
         # 2.14: non-strict export keeps them out of the program's signature, and lowering then
         # fails).
         export_strict=True,
     )
-
-
-def cache_buffers(module: torch.nn.Module) -> tuple[str, ...]:
-    """A StaticCacheLM's cache buffers by name (keys, values and fill counters per layer): state
-    its program writes as it runs, not weights; none for another module."""
-    if not isinstance(module, StaticCacheLM):
-        return ()
-    prefixes = ("key_cache_", "value_cache_", "cumulative_length_")
-    return tuple(name for name in module._buffers if name.startswith(prefixes))
 
 
 def cache_slots(cfg: CausalLmConfig) -> int | None:

@@ -256,6 +256,13 @@ class Report:
     def failures(self) -> list[ShapeResult]:
         return [result for result in self.by_shape() if not result.passed]
 
+    def first_failed_step(self) -> LiveShape | None:
+        """A model with a KV cache: the first step, in the order the sessions ran, that
+        failed (a wrong cache shows first there; every step after it reads what it wrote);
+        None where none did, or the report is of live shapes."""
+        failed = (e.shape for e in self.executions if "session" in e.shape and not e.passed)
+        return next(failed, None)
+
     def failure_message(self) -> str:
         """Why validation failed: each output whose dtype is not eager's (no tolerance can pass
         it), then the live shapes whose values differ beyond the rule, with the factor or atol
@@ -268,6 +275,14 @@ class Report:
                 if o.dtype != o.expected_dtype
             )
         )
+        first_step = self.first_failed_step()
+        if first_step:
+            call = "prefill" if first_step["pos"] == 0 else "decode step"
+            sentences.insert(
+                0,
+                f"The first step that fails is session {first_step['session']}'s {call} at "
+                f"position {first_step['pos']} ({label(first_step)}).",
+            )
         differ = [e.shape for e in self.executions if any(o.values_differ for o in e.outputs)]
         differing = [result for result in self.by_shape() if result.shape in differ]
         if differing and self.tolerances.scaled:
@@ -385,6 +400,7 @@ class Report:
                 "target": dict(self.target),
                 **({"greedy": self.generation.to_json()} if self.generation else {}),
                 **({"sessions": self._sessions_json()} if self.sessions else {}),
+                **({"first_failed_step": step} if (step := self.first_failed_step()) else {}),
                 "shapes": [
                     {
                         "shape": result.shape,

@@ -101,6 +101,21 @@ def step_inputs(plan: dict, shape: LiveShape) -> tuple[torch.Tensor, torch.Tenso
     return plan["tokens"][start : start + count].unsqueeze(0), torch.arange(start, start + count)
 
 
+def calls_up_to(
+    planned: Sequence[dict], shape: LiveShape
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The inputs of every call that one instance running the sessions in order takes up to
+    the step `shape`, judged or not: the sessions before its own, then its steps up to it. A
+    cache holds there what these calls wrote (an earlier session's entries too)."""
+    calls = []
+    for index, plan in enumerate(planned[: shape["session"] + 1]):
+        for step in steps(index, plan):
+            if index == shape["session"] and step["pos"] > shape["pos"]:
+                break
+            calls.append(step_inputs(plan, step))
+    return calls
+
+
 def greedy(
     call: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch.Tensor, count: int
 ) -> list[int]:

@@ -83,6 +83,8 @@ def _lowered_to_pte(
                 exported.program,
                 transform_passes=[*edge_passes, *([TagDelegateConstants(tag)] if tag else [])],
                 partitioner=[partitioner],
+                # Methods of the .pte that return the constants an LLM runner reads.
+                constant_methods=exported.runner_metadata or None,
             )
         partition = dataclasses.replace(
             summarize(edge.exported_program().graph_module, why_on_cpu),
