@@ -216,10 +216,9 @@ class _Sequence:
                     produced.diagnosis = failure.diagnosis
                     raise
                 produced.diagnosis = program.diagnosis
-        # A given artifact's constants are audited against the model's own weights, its
-        # buffers copied before the goldens run it: a KV cache as export would save it (empty),
-        # not as the goldens' sessions leave it.
-        weights = {} if program else {**models.weights(bundle.module), **_buffers(bundle.module)}
+        # A given artifact's constants are audited against the model's own weights (a KV
+        # cache's buffers, which the goldens' sessions fill, are state the audit skips).
+        weights = {} if program else models.weights(bundle.module)
         expected = None
         if self.backend.makes_runnable:
             # Before lowering: the oracle and eager's reference run on the module, which then
@@ -317,10 +316,6 @@ class _Sequence:
             self.record.run_dir / REPORT_FILE,
             produced.benchmark.table(),
         )
-
-
-def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: buffer.clone() for name, buffer in module.named_buffers()}
 
 
 def _export(
