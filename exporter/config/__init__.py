@@ -92,7 +92,7 @@ class CausalLmConfig(ModelConfig):
 @dataclass
 class LlamaConfig(CausalLmConfig):
     """transformers' LlamaForCausalLM: seeded random weights of this shape, or `checkpoint`, a
-    local Hugging Face checkpoint directory (then the shape fields are ignored)."""
+    local Hugging Face checkpoint directory or GGUF file (then the shape fields are ignored)."""
 
     checkpoint: str | None = None
     hidden_size: int = MISSING
@@ -113,8 +113,9 @@ class LlamaConfig(CausalLmConfig):
 
 @dataclass
 class HfConfig(CausalLmConfig):
-    """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained()),
-    loaded by transformers' own classes at `dtype`; never the network, never remote code."""
+    """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained(), or
+    a GGUF file), loaded by transformers' own classes at `dtype`; never the network, never
+    remote code."""
 
     checkpoint: str = MISSING
 
@@ -126,8 +127,8 @@ class HfConfig(CausalLmConfig):
 def _check_checkpoint(checkpoint: str) -> None:
     # Here rather than in the builder: a wrong path or config.json fails at compose, before
     # torch is loaded.
-    if not Path(checkpoint).is_dir():
-        raise ConfigError(f"model.checkpoint={checkpoint}: no such directory.")
+    if not Path(checkpoint).exists():
+        raise ConfigError(f"model.checkpoint={checkpoint}: no such directory or file.")
     hf_checkpoint.check(Path(checkpoint))
 
 
@@ -600,7 +601,9 @@ _MOST_SUGGESTED = 3
 
 # What a key that a config group leaves for the user to set takes.
 _MISSING_VALUES = {
-    "model.checkpoint": "DIR, a Hugging Face checkpoint directory written by save_pretrained()",
+    "model.checkpoint": (
+        "DIR, a Hugging Face checkpoint directory written by save_pretrained(), or FILE.gguf"
+    ),
 }
 
 

@@ -52,13 +52,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _load_checkpoint(directory: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+def _load_checkpoint(checkpoint: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     """A local Llama checkpoint; any other causal LM is model=hf's."""
-    config = hf.read_config(directory)
+    config = hf.read_config(checkpoint)
     if config.model_type != "llama":
         raise ConfigError(
-            f"model.checkpoint={directory}: model_type is {config.model_type!r}; model=llama "
-            f"loads 'llama' checkpoints. Use model=hf model.checkpoint={directory} for any "
+            f"model.checkpoint={checkpoint}: model_type is {config.model_type!r}; model=llama "
+            f"loads 'llama' checkpoints. Use model=hf model.checkpoint={checkpoint} for any "
             "causal LM transformers implements."
         )
-    return hf.load(directory, config, dtype)
+    return hf.load(checkpoint, config, dtype)
