@@ -59,7 +59,7 @@ def test_model_llama_loads_a_llama_gguf_too(written) -> None:
     assert bundle.module.model.config.num_hidden_layers == model.config.num_hidden_layers
 
 
-def test_a_gguf_checkpoint_exports_with_a_static_cache_and_keeps_its_tokens(
+def test_a_gguf_checkpoint_exports_with_a_static_cache_and_answers_a_chat_prompt(
     written, tmp_path: Path
 ) -> None:
     _, path = written
@@ -69,13 +69,72 @@ def test_a_gguf_checkpoint_exports_with_a_static_cache_and_keeps_its_tokens(
         "model=hf",
         f"model.checkpoint={path}",
         "model.kv_cache=static",
-        "dynamic.seq.max=16",
+        "dynamic.seq.max=24",
+        "model.max_cache_len=32",
+        "validate.prompt=Hi",
     )
     assert record.error is None
     assert report["passed"]
     assert {e["shape"]["session"] for e in report["executions"]} == {0, 1, 2}
     assert max(o["ratio"] for e in report["executions"] for o in e["outputs"]) < 4
-    assert report["greedy"]["artifact_parts_from_oracle_at"] is None
+    greedy = report["greedy"]
+    assert greedy["artifact_parts_from_oracle_at"] is None
+    # The user's turn in the file's chat template, the assistant's turn opened.
+    start, end = gguf_checkpoint.BOS_ID, gguf_checkpoint.EOS_ID
+    turn = [start, *b"user\nHi", end, ord("\n"), start, *b"assistant\n"]
+    assert greedy["prompt"] == turn
+    # 21 prompt tokens leave 11 of the 32 slots to generate in.
+    assert len(greedy["artifact"]) == 11
+    text = greedy["text"]
+    assert text["prompt"] == "Hi"
+    for who in ("artifact", "eager", "oracle"):
+        assert text[who] == _decoded(greedy[who])
+
+
+def _decoded(tokens: list[int]) -> str:
+    """The tiny vocabulary's tokens as text: a byte each, the special tokens as they are
+    spelled."""
+    pieces, pending = [], bytearray()
+    for token in tokens:
+        if token < 256:
+            pending.append(token)
+            continue
+        pieces.append(pending.decode(errors="replace"))
+        pending = bytearray()
+        pieces.append(gguf_checkpoint.SPECIAL_TOKENS[token - 256])
+    pieces.append(pending.decode(errors="replace"))
+    return "".join(pieces)
+
+
+def test_a_prompt_longer_than_a_prefill_is_refused(written, tmp_path: Path) -> None:
+    _, path = written
+    with pytest.raises(ConfigError, match=r"is 21 tokens .* at most dynamic.seq.max=16: "):
+        job_in_process(
+            tmp_path,
+            "backend=eager",
+            "model=hf",
+            f"model.checkpoint={path}",
+            "model.kv_cache=static",
+            "dynamic.seq.max=16",
+            "validate.prompt=Hi",
+        )
+
+
+def test_a_prompt_needs_a_checkpoint_with_a_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"this model has no checkpoint"):
+        job_in_process(
+            tmp_path,
+            "backend=eager",
+            "model.num_hidden_layers=1",
+            "model.kv_cache=static",
+            "dynamic.seq.max=16",
+            "validate.prompt=Hi",
+        )
+
+
+def test_a_prompt_needs_a_kv_cache() -> None:
+    with pytest.raises(ConfigError, match=r"validate.prompt .* set model.kv_cache=static"):
+        composed("validate.prompt=Hi")
 
 
 def test_the_cache_key_sees_the_gguf_file(written) -> None:

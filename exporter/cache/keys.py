@@ -72,6 +72,7 @@ def goldens(
         "shapes": shapes,
         "seed": job.validate.seed,
         "greedy_tokens": job.validate.greedy_tokens,
+        "prompt": job.validate.prompt,
         "reference_device": backends.configured(job).reference_device,
         "code": code_of(["exporter.validate.goldens", "exporter.validate.sessions"]),
     }

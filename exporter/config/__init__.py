@@ -432,6 +432,10 @@ class ValidateConfig:
     # generated from one prompt by the artifact, eager and the oracle.
     sampled_positions: int = 6
     greedy_tokens: int = 16
+    # The greedy generation's prompt as text, a user's turn: encoded with the checkpoint's
+    # tokenizer and its chat template, and every generation decoded back to text (null: the
+    # first session's first tokens, no text).
+    prompt: str | None = None
 
 
 @dataclass
@@ -543,6 +547,15 @@ class JobConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ConfigError(f"{owner}.{name} is {value}; it must be 0 or more.")
+        if (
+            self.validate.prompt is not None
+            and getattr(self.model, "kv_cache", None) is not KvCache.static
+        ):
+            raise ConfigError(
+                "validate.prompt is the prompt of a KV-cache model's greedy generation; set "
+                "model.kv_cache=static (a causal LM with a checkpoint's tokenizer: model=hf or "
+                "model=llama with model.checkpoint)."
+            )
         if self.factor < 1:
             raise ConfigError(
                 f"validate.factor is {self.factor}; it must be 1 or more (the artifact's error "

@@ -4,6 +4,7 @@ transformers dequantizes into the float model. Local files only, never remote co
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
     GgufConfig,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -33,7 +36,10 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
     return declare_causal_lm(
-        model, getattr(config, "max_position_embeddings", None), cache_slots(cfg)
+        model,
+        getattr(config, "max_position_embeddings", None),
+        cache_slots(cfg),
+        functools.partial(load_tokenizer, checkpoint),
     )
 
 
@@ -72,6 +78,21 @@ def _sources(checkpoint: Path) -> tuple[Path, dict[str, Any]]:
     if gguf is None:
         return checkpoint, {}
     return gguf.parent, {"gguf_file": gguf.name}
+
+
+def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer: its save_pretrained() files, or the vocabulary and chat
+    template a GGUF file carries."""
+    directory, gguf = _sources(checkpoint)
+    try:
+        return AutoTokenizer.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False, **gguf
+        )
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(
+            f"model.checkpoint={checkpoint}: validate.prompt needs its tokenizer, which "
+            f"transformers cannot load: {error}"
+        ) from error
 
 
 def load(checkpoint: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +20,16 @@ from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
     dtype = torch_dtype(cfg.dtype)
+    tokenizer = None
     if cfg.checkpoint:
-        model = _load_checkpoint(Path(cfg.checkpoint), dtype)
+        checkpoint = Path(cfg.checkpoint)
+        model = _load_checkpoint(checkpoint, dtype)
+        tokenizer = functools.partial(hf.load_tokenizer, checkpoint)
     else:
         model = _random_model(cfg, dtype)
-    return declare_causal_lm(model, model.config.max_position_embeddings, cache_slots(cfg))
+    return declare_causal_lm(
+        model, model.config.max_position_embeddings, cache_slots(cfg), tokenizer
+    )
 
 
 def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
