@@ -279,7 +279,7 @@ cli.main()
 @pytest.mark.parametrize(
     ("config_json", "message"),
     [
-        (None, "not a Hugging Face checkpoint (no config.json)"),
+        (None, "not a Hugging Face checkpoint (no config.json and no .gguf file)"),
         ('{"model_type": "llama",', "config.json is not JSON"),
         ('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}', "has no causal"),
         ('{"model_type": "my_llm"}', "model_type 'my_llm' is not one transformers"),

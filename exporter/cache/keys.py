@@ -48,9 +48,11 @@ def checkpoint_files(cfg: ModelConfig) -> list[Path]:
     """The files of the checkpoint the model is read from, if any: one rewritten in place makes
     another model."""
     checkpoint = getattr(cfg, "checkpoint", None)
-    if checkpoint:
-        return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
-    return []
+    if not checkpoint:
+        return []
+    if Path(checkpoint).is_file():  # a GGUF file named itself
+        return [Path(checkpoint)]
+    return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
 
 
 def export(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:
@@ -70,6 +72,7 @@ def goldens(
         "shapes": shapes,
         "seed": job.validate.seed,
         "greedy_tokens": job.validate.greedy_tokens,
+        "prompt": job.validate.prompt,
         "reference_device": backends.configured(job).reference_device,
         "code": code_of(["exporter.validate.goldens", "exporter.validate.sessions"]),
     }

@@ -92,7 +92,7 @@ class CausalLmConfig(ModelConfig):
 @dataclass
 class LlamaConfig(CausalLmConfig):
     """transformers' LlamaForCausalLM: seeded random weights of this shape, or `checkpoint`, a
-    local Hugging Face checkpoint directory (then the shape fields are ignored)."""
+    local Hugging Face checkpoint directory or GGUF file (then the shape fields are ignored)."""
 
     checkpoint: str | None = None
     hidden_size: int = MISSING
@@ -113,8 +113,9 @@ class LlamaConfig(CausalLmConfig):
 
 @dataclass
 class HfConfig(CausalLmConfig):
-    """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained()),
-    loaded by transformers' own classes at `dtype`; never the network, never remote code."""
+    """Any local Hugging Face causal-LM checkpoint (a directory written by save_pretrained(), or
+    a GGUF file), loaded by transformers' own classes at `dtype`; never the network, never
+    remote code."""
 
     checkpoint: str = MISSING
 
@@ -126,8 +127,8 @@ class HfConfig(CausalLmConfig):
 def _check_checkpoint(checkpoint: str) -> None:
     # Here rather than in the builder: a wrong path or config.json fails at compose, before
     # torch is loaded.
-    if not Path(checkpoint).is_dir():
-        raise ConfigError(f"model.checkpoint={checkpoint}: no such directory.")
+    if not Path(checkpoint).exists():
+        raise ConfigError(f"model.checkpoint={checkpoint}: no such directory or file.")
     hf_checkpoint.check(Path(checkpoint))
 
 
@@ -431,6 +432,10 @@ class ValidateConfig:
     # generated from one prompt by the artifact, eager and the oracle.
     sampled_positions: int = 6
     greedy_tokens: int = 16
+    # The greedy generation's prompt as text, a user's turn: encoded with the checkpoint's
+    # tokenizer and its chat template, and every generation decoded back to text (null: the
+    # first session's first tokens, no text).
+    prompt: str | None = None
 
 
 @dataclass
@@ -542,6 +547,15 @@ class JobConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ConfigError(f"{owner}.{name} is {value}; it must be 0 or more.")
+        if (
+            self.validate.prompt is not None
+            and getattr(self.model, "kv_cache", None) is not KvCache.static
+        ):
+            raise ConfigError(
+                "validate.prompt is the prompt of a KV-cache model's greedy generation; set "
+                "model.kv_cache=static (a causal LM with a checkpoint's tokenizer: model=hf or "
+                "model=llama with model.checkpoint)."
+            )
         if self.factor < 1:
             raise ConfigError(
                 f"validate.factor is {self.factor}; it must be 1 or more (the artifact's error "
@@ -600,7 +614,9 @@ _MOST_SUGGESTED = 3
 
 # What a key that a config group leaves for the user to set takes.
 _MISSING_VALUES = {
-    "model.checkpoint": "DIR, a Hugging Face checkpoint directory written by save_pretrained()",
+    "model.checkpoint": (
+        "DIR, a Hugging Face checkpoint directory written by save_pretrained(), or FILE.gguf"
+    ),
 }
 
 

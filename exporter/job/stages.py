@@ -373,7 +373,9 @@ def _goldens(
         shapes = [s for i, session in enumerate(planned) for s in judged_steps(i, session)]
 
         def compute() -> stored_goldens.Goldens:
-            return sessions.compute(bundle, planned, job.validate.greedy_tokens, device)
+            return sessions.compute(
+                bundle, planned, job.validate.greedy_tokens, device, job.validate.prompt
+            )
 
     material = cache_keys.goldens(job, model_material, shapes)
     store.use.keys["goldens"] = key_of(material)

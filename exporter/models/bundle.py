@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,7 +37,9 @@ class Decoder:
     """What a causal LM exported with a static KV cache tells the stages after it: the cache's
     slots, the vocabulary, its layers, the checkpoint's BOS and EOS tokens where it has them, and
     the same model without a cache (token ids -> logits over the whole sequence), which the
-    float64 oracle runs so that it shares no code with the cache."""
+    float64 oracle runs so that it shares no code with the cache. `tokenizer` loads the
+    checkpoint's tokenizer (transformers'; it raises ConfigError saying why where there is none),
+    which validate.prompt needs; None: the model has no checkpoint."""
 
     max_cache_len: int
     vocab_size: int
@@ -44,6 +47,7 @@ class Decoder:
     uncached: torch.nn.Module
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    tokenizer: Callable[[], Any] | None = None
     # The module's buffers that hold the cache: state the program writes as it runs, not
     # weights (the weights audit skips them). The program cannot say: torch.export keeps the
     # cache's writes in place (index_copy_), and its signature lists no buffer mutation.

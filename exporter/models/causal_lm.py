@@ -5,7 +5,8 @@ optimum-executorch)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import transformers
@@ -56,11 +57,15 @@ class StaticCacheLM(TorchExportableModuleWithStaticCache):
 
 
 def declare_causal_lm(
-    model: PreTrainedModel, max_positions: int | None, max_cache_len: int | None = None
+    model: PreTrainedModel,
+    max_positions: int | None,
+    max_cache_len: int | None = None,
+    tokenizer: Callable[[], Any] | None = None,
 ) -> ModelDeclaration:
     """`model` behind LogitsOnly, fed token ids drawn from its vocabulary; `max_positions` bounds
     `seq` (None: the model sets no limit of its own). With `max_cache_len`, behind StaticCacheLM
-    with that many cache slots instead: the inputs are a prefill from position 0."""
+    with that many cache slots instead: the inputs are a prefill from position 0, and
+    `tokenizer` (Decoder.tokenizer) loads the checkpoint's tokenizer."""
     vocab_size = model.config.vocab_size
     if max_cache_len is None:
 
@@ -116,6 +121,7 @@ def declare_causal_lm(
             eos_ids=_eos_ids(model.config.eos_token_id),
             # StaticCacheLM's own buffers are its cache's, per layer: keys, values, fill count.
             cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
+            tokenizer=tokenizer,
         ),
         # The cache's in-place writes become mutable buffers only in strict export (torch
         # 2.14: non-strict export keeps them out of the program's signature, and lowering then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +20,16 @@ from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
     dtype = torch_dtype(cfg.dtype)
+    tokenizer = None
     if cfg.checkpoint:
-        model = _load_checkpoint(Path(cfg.checkpoint), dtype)
+        checkpoint = Path(cfg.checkpoint)
+        model = _load_checkpoint(checkpoint, dtype)
+        tokenizer = functools.partial(hf.load_tokenizer, checkpoint)
     else:
         model = _random_model(cfg, dtype)
-    return declare_causal_lm(model, model.config.max_position_embeddings, cache_slots(cfg))
+    return declare_causal_lm(
+        model, model.config.max_position_embeddings, cache_slots(cfg), tokenizer
+    )
 
 
 def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -52,13 +58,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _load_checkpoint(directory: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+def _load_checkpoint(checkpoint: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     """A local Llama checkpoint; any other causal LM is model=hf's."""
-    config = hf.read_config(directory)
+    config = hf.read_config(checkpoint)
     if config.model_type != "llama":
         raise ConfigError(
-            f"model.checkpoint={directory}: model_type is {config.model_type!r}; model=llama "
-            f"loads 'llama' checkpoints. Use model=hf model.checkpoint={directory} for any "
+            f"model.checkpoint={checkpoint}: model_type is {config.model_type!r}; model=llama "
+            f"loads 'llama' checkpoints. Use model=hf model.checkpoint={checkpoint} for any "
             "causal LM transformers implements."
         )
-    return hf.load(directory, config, dtype)
+    return hf.load(checkpoint, config, dtype)

@@ -4,11 +4,13 @@ line per execution and a progress bar on a terminal."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -18,7 +20,7 @@ from runtimes import Loaded, verdict
 from runtimes.verdict import Report, Tolerances, judge
 from runtimes.verdict import sessions as session_verdict
 from runtimes.verdict.goldens import Goldens
-from runtimes.verdict.report import Execution, execution_line
+from runtimes.verdict.report import Execution, Generation, execution_line
 from runtimes.verdict.shapes import LiveShape, executions, label
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,21 @@ def _sessions(
             )
         except verdict.ArtifactFailed as error:
             raise RuntimeFailed(str(error)) from error
-    if report.generation is not None:
-        log.info("[validate] %s", report.generation.line())
+    if report.generation is None:
+        return report
+    log.info("[validate] %s", report.generation.line())
+    if goldens.greedy is not None and "tokenizer" in goldens.greedy:
+        report = dataclasses.replace(report, generation=_read(report.generation, goldens.greedy))
+        for who, text in report.generation.text.items():
+            log.info("[validate] %s: %r", who, text)
     return report
+
+
+def _read(generation: Generation, greedy: dict) -> Generation:
+    """`generation` with its prompt and each generation decoded by the checkpoint's tokenizer
+    that the goldens kept."""
+    tokenizer = Tokenizer.from_str(greedy["tokenizer"])
+    text = {"prompt": greedy["prompt_text"]}
+    for who in ("artifact", "eager", "oracle"):
+        text[who] = tokenizer.decode(getattr(generation, who), skip_special_tokens=False)
+    return dataclasses.replace(generation, text=text)

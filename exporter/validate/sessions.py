@@ -1,6 +1,8 @@
 """The goldens of a model with a KV cache: the plan of sessions, the float64 oracle's logits at
 their judged steps, eager at the model's dtype running the same sessions with the same cache,
-and a greedy generation by both (runtimes/verdict/sessions.py runs and judges the artifact).
+and a greedy generation by both (runtimes/verdict/sessions.py runs and judges the artifact),
+from validate.prompt where it is set (a user's turn in the checkpoint's chat template, with the
+tokenizer kept so the generations can be read as text).
 
 The oracle is the model without a cache (`Decoder.uncached`): one float64 call over a whole
 session's tokens gives the logits of every position, since a causal LM's logits at a position
@@ -12,10 +14,11 @@ from __future__ import annotations
 import logging
 import random
 import zlib
+from typing import Any
 
 import torch
 
-from exporter.errors import GoldensFailed
+from exporter.errors import ConfigError, GoldensFailed
 from exporter.models import Decoder, DynamicDim, ModelBundle
 from exporter.validate.oracle import float64_weights
 from runtimes.verdict import sessions
@@ -57,10 +60,22 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
 
 
 def compute(
-    bundle: ModelBundle, planned: list[dict], greedy_tokens: int, reference_device: str
+    bundle: ModelBundle,
+    planned: list[dict],
+    greedy_tokens: int,
+    reference_device: str,
+    prompt_text: str | None = None,
 ) -> Goldens:
     decoder = bundle.decoder
     assert decoder is not None
+    slots = decoder.max_cache_len
+    tokenizer = None
+    if prompt_text is None:
+        prompt = planned[0]["tokens"][: min(_PROMPT_TOKENS, slots - 1)]
+    else:
+        tokenizer = _tokenizer(decoder)
+        (seq,) = bundle.dims
+        prompt = _chat_prompt(tokenizer, prompt_text, seq.max, slots)
     oracle = [_oracle(decoder, session["tokens"]) for session in planned]
     cases = {}
     for index, session in enumerate(planned):
@@ -68,8 +83,8 @@ def compute(
             start, count = shape["pos"], shape["seq"]
             expected = oracle[index][:, start : start + count]
             cases[label(shape)] = (sessions.step_inputs(session, shape), [expected])
-    reference, dtype, eager_tokens, prompt = _reference(
-        bundle.module, planned, cases, reference_device, greedy_tokens
+    reference, dtype, eager_tokens = _reference(
+        bundle.module, planned, cases, reference_device, prompt, greedy_tokens
     )
     greedy = None
     if greedy_tokens:
@@ -78,6 +93,11 @@ def compute(
             "eager": eager_tokens,
             "oracle": _oracle_greedy(decoder, prompt, len(eager_tokens)),
         }
+        if tokenizer is not None:
+            # The tokenizer as its JSON: the goldens hold plain data, and validation decodes
+            # the artifact's tokens with it after the model is gone.
+            greedy["prompt_text"] = prompt_text
+            greedy["tokenizer"] = tokenizer.backend_tokenizer.to_str()
     kept = {
         key: (inputs, [stored(expected[0], dtype)]) for key, (inputs, expected) in cases.items()
     }
@@ -115,17 +135,53 @@ def _oracle_greedy(decoder: Decoder, prompt: torch.Tensor, count: int) -> list[i
     return generated
 
 
+def _tokenizer(decoder: Decoder) -> Any:
+    """The checkpoint's tokenizer (transformers')."""
+    if decoder.tokenizer is None:
+        raise ConfigError(
+            "validate.prompt is encoded with the checkpoint's tokenizer, and this model has no "
+            "checkpoint: use model=hf (or model=llama) with model.checkpoint."
+        )
+    return decoder.tokenizer()
+
+
+def _chat_prompt(tokenizer: Any, text: str, longest: int, slots: int) -> torch.Tensor:
+    """`text` as a user's turn in the tokenizer's chat template, the assistant's turn opened (as
+    it is; a tokenizer without a template); one prefill of at most `longest` tokens, which
+    leaves a cache slot to generate in."""
+    if tokenizer.chat_template:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    else:
+        ids = tokenizer.encode(text)
+    if len(ids) > longest:
+        raise ConfigError(
+            f"validate.prompt is {len(ids)} tokens with the chat template, and a prefill takes "
+            f"at most dynamic.seq.max={longest}: shorten the prompt or raise dynamic.seq.max."
+        )
+    if len(ids) >= slots:
+        raise ConfigError(
+            f"validate.prompt is {len(ids)} tokens with the chat template, and the cache has "
+            f"{slots} slots (model.max_cache_len), none left to generate in: shorten the "
+            f"prompt or raise model.max_cache_len."
+        )
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def _reference(
     module: torch.nn.Module,
     planned: list[dict],
     cases: dict,
     device: str,
+    prompt: torch.Tensor,
     greedy_tokens: int,
-) -> tuple[dict[str, list[EagerError]], torch.dtype, list[int], torch.Tensor]:
+) -> tuple[dict[str, list[EagerError]], torch.dtype, list[int]]:
     """Eager at the model's dtype on `device`, its cache a buffer of the module, running the
     sessions as the artifact will: its error at every judged step, its logits' dtype, and its
-    greedy tokens from the first session's first tokens. The module returns to the CPU after,
-    where export reads it."""
+    greedy tokens after `prompt`. The module returns to the CPU after, where export reads
+    it."""
     on_device = module.to(device)
     reference: dict[str, list[EagerError]] = {}
     dtype = torch.float32
@@ -145,7 +201,6 @@ def _reference(
                 if label(shape) in cases:
                     expected = cases[label(shape)][1][0]
                     reference[label(shape)] = [reference_error(logits, expected, True)]
-        prompt = planned[0]["tokens"][: min(_PROMPT_TOKENS, slots - 1)]
         count = min(greedy_tokens, slots - prompt.shape[0])
         eager_tokens = sessions.greedy(call, prompt, count) if count else []
     except Exception as error:
@@ -161,4 +216,4 @@ def _reference(
         len(cases),
         len(eager_tokens),
     )
-    return reference, dtype, eager_tokens, prompt
+    return reference, dtype, eager_tokens

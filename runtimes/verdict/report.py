@@ -70,12 +70,14 @@ class ShapeResult:
 class Generation:
     """Greedy tokens generated from one prompt by the artifact, eager at the model's dtype with
     the same cache, and the float64 oracle recomputing the whole prefix; where each parts from
-    the oracle's (None: nowhere)."""
+    the oracle's (None: nowhere). `text`: the prompt and each generation decoded, where the
+    prompt was text (validate.prompt)."""
 
     prompt: list[int]
     artifact: list[int]
     eager: list[int]
     oracle: list[int]
+    text: dict[str, str] | None = None
 
     @property
     def artifact_parts_at(self) -> int | None:
@@ -133,11 +135,18 @@ class Generation:
             "artifact_parts_from_oracle_at": self.artifact_parts_at,
             "eager_parts_from_oracle_at": self.eager_parts_at,
             "artifact_parts_from_eager_at": self.artifact_parts_from_eager_at,
+            **({"text": self.text} if self.text is not None else {}),
         }
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> Generation:
-        return cls(payload["prompt"], payload["artifact"], payload["eager"], payload["oracle"])
+        return cls(
+            payload["prompt"],
+            payload["artifact"],
+            payload["eager"],
+            payload["oracle"],
+            payload.get("text"),
+        )
 
 
 def _agreed(parts_at: int | None, reference: Sequence[int]) -> int:

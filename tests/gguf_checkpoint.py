@@ -1,0 +1,132 @@
+"""A tiny Llama written as a GGUF file with the gguf package's writer, the way llama.cpp's
+converter lays one out: its float32 weights under llama.cpp's tensor names (the query and key
+projections' rows reordered for llama.cpp's rotary layout, which transformers undoes when it
+reads them), a byte-level BPE vocabulary of 256 bytes without merges and three special tokens,
+and a chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID = 257, 258  # <|im_start|>, <|im_end|>
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Per layer: llama.cpp's tensor name -> transformers' module, under model.layers.N.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
+    """Two layers, grouped-query heads, 128 positions, untied output: a job in seconds."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=128,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def write(model: transformers.LlamaForCausalLM, path: Path) -> Path:
+    """`model` as the GGUF file `path`, with the tokenizer above."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer)
+    weights = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    for layer in range(config.num_hidden_layers):
+        for gguf_name, module in _LAYER_TENSORS.items():
+            weight = weights[f"model.layers.{layer}.{module}.weight"]
+            if gguf_name == "attn_q":
+                weight = _rotary_layout(weight, heads)
+            elif gguf_name == "attn_k":
+                weight = _rotary_layout(weight, kv_heads)
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _rotary_layout(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Each head's rows from transformers' halves layout (all first halves of the rotary pairs,
+    then all second halves) to llama.cpp's interleaved pairs."""
+    rows = weight.shape[0] // heads
+    return (
+        weight.reshape(heads, 2, rows // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    tokens = [*_byte_symbols(), *SPECIAL_TOKENS]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+    )
+    # No merges: every byte stays a token of its own (transformers derives merges from the
+    # scores where a file lists none).
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character, the printable Latin-1
+    ones as themselves and the rest shifted past 255."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    symbols, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + shifted)
+            shifted += 1
+    return [symbols[byte] for byte in range(256)]
