@@ -178,6 +178,32 @@ def test_jobs_of_the_same_second_get_the_default_dir_and_the_next_name(
     assert second_dir.is_dir()
 
 
+def test_the_run_start_check_claims_the_default_run_dir_before_hydra_sets_its_config(
+    tmp_path: Path,
+) -> None:
+    """Hydra calls on_run_start before it sets its own config; the default run dir's name reads
+    Hydra's choices (the model and backend), which the callback must resolve all the same,
+    without the warning Hydra prints for a callback that raises."""
+    outputs.register_resolver()
+    OmegaConf.register_new_resolver("project_root", lambda: str(tmp_path), replace=True)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", ["model=mlp", "backend=eager"], return_hydra_config=True)
+        HydraConfig.instance().cfg = None
+        outputs.OutputsCallback().on_run_start(cfg)
+        # As Hydra resolves it for the job, after setting its config.
+        HydraConfig.instance().set_config(cfg)
+        run_dir = Path(cfg.hydra.run.dir)
+    finally:
+        HydraConfig.instance().cfg = None
+        OmegaConf.register_new_resolver("project_root", lambda: str(EXPORTER_ROOT), replace=True)
+    (day,) = (tmp_path / "outputs" / "runs").iterdir()
+    (claimed,) = day.iterdir()
+    assert claimed.name.endswith("-mlp-eager")
+    # Hydra resolves the same name for the job: the claim is not made twice.
+    assert run_dir == claimed
+
+
 def test_a_partial_file_in_the_run_dir_is_not_logged(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_bytes(run_dir / "report.json", b"{}")

@@ -21,6 +21,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -114,7 +115,11 @@ class OutputsCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             accepted(_job_config(config))
-            # Resolving the dir claims it: only for a job that starts.
+            # The dir's name reads Hydra's choices (${hydra:runtime.choices.model}), which
+            # resolve only once Hydra's config is set: Hydra sets it for the job after this
+            # callback, to the same config. Resolving the dir claims it: only for a job that
+            # starts.
+            HydraConfig.instance().set_config(config)
             writable_dir(Path(config.hydra.run.dir), "the run dir (hydra.run.dir)")
         except ConfigError as error:
             # Hydra would print an exception's traceback.
