@@ -4,10 +4,11 @@ line per execution and a progress bar on a terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -52,20 +53,26 @@ def run(
         memory.release_freed()
         return load()
 
+    with _progress(len(order), "run") as after_each:
+        return verdict.run(output_names, load_alone, shapes, order, goldens, tolerances, after_each)
+
+
+@contextlib.contextmanager
+def _progress(total: int, unit: str) -> Iterator[Callable[[int, Execution], None]]:
+    """What validation does after each of `total` executions (a log line, a tick of the bar, a
+    Ctrl-C safe point), and the artifact's failure raised as the runtime's error."""
     # The bar shows on a terminal only (disable=None); the log lines say the same everywhere.
     # On stdout, beside the log: the job's stderr goes to native.log (runtimes/native_log.py).
-    bar = tqdm(total=len(order), desc="validate", unit="run", disable=None, file=sys.stdout)
+    bar = tqdm(total=total, desc="validate", unit=unit, disable=None, file=sys.stdout)
 
     def after_each(number: int, execution: Execution) -> None:
-        log.info("[validate] %s", execution_line(number, len(order), execution))
+        log.info("[validate] %s", execution_line(number, total, execution))
         bar.update()
         interrupts.check()
 
     with logging_redirect_tqdm(), bar:
         try:
-            return verdict.run(
-                output_names, load_alone, shapes, order, goldens, tolerances, after_each
-            )
+            yield after_each
         except verdict.ArtifactFailed as error:
             raise RuntimeFailed(str(error)) from error
 
@@ -87,23 +94,12 @@ def _sessions(
         len(shapes),
         tolerances.describe(),
     )
-    bar = tqdm(total=len(shapes), desc="validate", unit="step", disable=None, file=sys.stdout)
-
-    def after_each(number: int, execution: Execution) -> None:
-        log.info("[validate] %s", execution_line(number, len(shapes), execution))
-        bar.update()
-        interrupts.check()
 
     def judged(outputs: Sequence[torch.Tensor], shape: LiveShape) -> tuple:
         return judge(output_names, outputs, shape, goldens, tolerances)
 
-    with logging_redirect_tqdm(), bar:
-        try:
-            report = session_verdict.run(
-                output_names, load, goldens, tolerances, judged, after_each
-            )
-        except verdict.ArtifactFailed as error:
-            raise RuntimeFailed(str(error)) from error
+    with _progress(len(shapes), "step") as after_each:
+        report = session_verdict.run(output_names, load, goldens, tolerances, judged, after_each)
     if report.generation is None:
         return report
     log.info("[validate] %s", report.generation.line())
