@@ -467,6 +467,63 @@ class BenchmarkConfig:
             )
 
 
+# How the model's linear layers are quantized (`quantize=<scheme>`), with torchao's
+# configurations, the ones ExecuTorch's own LLM export uses, under the names users know them by
+# (ExecuTorch's `--qlinear`), which are no Python identifiers: `QuantScheme("8da4w")`.
+#   8da4w        int8 activations quantized per token as the layer runs, int4 weights per group
+#   8da8w        int8 activations per token, int8 weights per output channel
+#   int8_weight  weights only (activations stay floating), int8 per output channel
+#   int4_weight  weights only, int4 per group
+QuantScheme = Enum(
+    "QuantScheme",
+    [(name, name) for name in ("none", "8da4w", "8da8w", "int8_weight", "int4_weight")],
+)
+
+
+class EmbeddingQuant(Enum):
+    """How the token embedding's table is quantized (`quantize.embedding`): weight-only, per
+    group of `quantize.group_size` for int4, per row for int8."""
+
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+
+
+@dataclass
+class QuantizeConfig:
+    """Quantization of the model before export, and how much quality it may cost.
+
+    The artifact is judged twice: for fidelity, against the quantized model (a float64 oracle of
+    its own arithmetic, the reference rule against the quantized model in eager); for quality,
+    the quantized model against the float one (next-token KL divergence at most `max_kld`, top-1
+    agreement at least `min_top1`). `attribution` measures the quality each layer costs;
+    `skip` names the modules (fully qualified, as `model.named_modules()` gives them) left in
+    float."""
+
+    scheme: QuantScheme = QuantScheme("none")
+    group_size: int = 32
+    embedding: EmbeddingQuant = EmbeddingQuant.none
+    max_kld: float = 0.1
+    min_top1: float = 0.8
+    attribution: bool = False
+    skip: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ConfigError(f"quantize.group_size is {self.group_size}; it must be 1 or more.")
+        if self.max_kld < 0:
+            raise ConfigError(f"quantize.max_kld is {self.max_kld}; it must be 0 or more.")
+        if not 0 <= self.min_top1 <= 1:
+            raise ConfigError(
+                f"quantize.min_top1 is {self.min_top1}; it must be between 0 and 1 (a fraction "
+                "of the positions)."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme is not QuantScheme("none") or self.embedding is not EmbeddingQuant.none
+
+
 @dataclass
 class MlflowConfig:
     """`artifact_location`: where a new experiment keeps its files; empty lets the store decide
@@ -494,6 +551,7 @@ class JobConfig:
     backend: BackendConfig = MISSING
     fallback: FallbackConfig = MISSING
     validate: ValidateConfig = MISSING
+    quantize: QuantizeConfig = MISSING
     benchmark: BenchmarkConfig = MISSING
     mlflow: MlflowConfig = MISSING
     # A pre-built artifact to validate instead of exporting and lowering the model.

@@ -22,6 +22,7 @@ from exporter.config import (
     MlflowConfig,
     MlpConfig,
     MoeConfig,
+    QuantizeConfig,
     ToyConfig,
     ValidateConfig,
 )
@@ -44,5 +45,6 @@ def register_schemas() -> None:
         store.store(group="schema/backend", name=name, node=schema)
     store.store(group="schema/fallback", name="fallback", node=FallbackConfig)
     store.store(group="schema/validate", name="validate", node=ValidateConfig)
+    store.store(group="schema/quantize", name="quantize", node=QuantizeConfig)
     store.store(group="schema/benchmark", name="benchmark", node=BenchmarkConfig)
     store.store(group="schema/mlflow", name="mlflow", node=MlflowConfig)
