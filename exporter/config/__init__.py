@@ -500,7 +500,7 @@ class QuantizeConfig:
     `skip` names the modules (fully qualified, as `model.named_modules()` gives them) left in
     float."""
 
-    scheme: QuantScheme = QuantScheme("none")
+    scheme: QuantScheme = QuantScheme.none
     group_size: int = 32
     embedding: EmbeddingQuant = EmbeddingQuant.none
     max_kld: float = 0.1
@@ -521,7 +521,7 @@ class QuantizeConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.scheme is not QuantScheme("none") or self.embedding is not EmbeddingQuant.none
+        return self.scheme is not QuantScheme.none or self.embedding is not EmbeddingQuant.none
 
 
 @dataclass
