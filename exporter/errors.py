@@ -67,6 +67,12 @@ class GoldensFailed(ModelFailed):
     stage = "goldens"
 
 
+class QuantizeFailed(ModelFailed):
+    """torchao could not quantize the model as the quantize config asks."""
+
+    stage = "quantize"
+
+
 class TrackingFailed(ExporterError):
     """The job ran, but its MLflow run could not be written; the run dir holds its results."""
 
@@ -87,6 +93,7 @@ STAGE_ERRORS: dict[str, type[ExporterError]] = {
     # Opening the MLflow run and loading the stages' libraries (torch, the backend's).
     "startup": StartupFailed,
     "model": ModelFailed,
+    "quantize": QuantizeFailed,
     "export": ExportFailed,
     "lower": LoweringFailed,
     # Writing the artifact's bundle for a target: part of what lowering delivers.

@@ -20,6 +20,7 @@ LAYERS = (
     ("exporter.cache",),
     (
         "exporter.models",
+        "exporter.quantize",
         "exporter.export",
         "exporter.backends",
         "exporter.validate",

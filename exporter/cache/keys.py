@@ -21,10 +21,17 @@ from runtimes.verdict.shapes import LiveShape
 
 
 def model(job: JobConfig) -> dict[str, Any]:
-    """What determines the module the model stage builds."""
+    """What determines the module the model stage builds, and the quantize stage after it."""
+    quantize = {}
+    if job.quantize.enabled:
+        quantize = {
+            "config": dataclasses.asdict(job.quantize),
+            "code": code_of(["exporter.quantize"]),
+        }
     return {
         "config": dataclasses.asdict(job.model),
         "code": model_code(job.model),
+        "quantize": quantize,
         # A checkpoint rewritten in place is another model; its size and time say so without
         # reading gigabytes.
         "checkpoint": {

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from exporter import audit, benchmark, config, export, localize, models, validate
+from exporter import audit, benchmark, config, export, localize, models, quantize, validate
 from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
@@ -207,6 +207,9 @@ class _Sequence:
             bundle = models.build(job.model, job.dynamic)
             produced.weight_bytes = models.weight_bytes(bundle.module)
             model_material = cache_keys.model(job)
+        if job.quantize.enabled:
+            with self.timed("quantize"):
+                bundle = quantize.quantized(bundle, job.quantize)
         program = None
         if not job.artifact:
             with self.timed("export"):

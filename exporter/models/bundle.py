@@ -89,6 +89,9 @@ class ModelBundle:
     decoder: Decoder | None = None
     # Export with torch.export's strict (TorchDynamo) tracing.
     export_strict: bool = False
+    # A quantized model's float original (exporter/quantize/), which the quality verdict
+    # compares it with; None: the model is not quantized.
+    unquantized: ModelBundle | None = None
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
