@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from exporter import audit, benchmark, config, export, localize, models, quantize, validate
+from exporter import audit, benchmark, config, export, localize, models, validate
 from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
@@ -208,6 +208,9 @@ class _Sequence:
             produced.weight_bytes = models.weight_bytes(bundle.module)
             model_material = cache_keys.model(job)
         if job.quantize.enabled:
+            # Imported only here: torchao is a quantized job's library alone.
+            from exporter import quantize
+
             with self.timed("quantize"):
                 bundle = quantize.quantized(bundle, job.quantize)
         program = None

@@ -1,4 +1,5 @@
-"""Runs an AOTInductor package (.pt2) with torch's own loader, on the device it was compiled for."""
+"""Runs an AOTInductor package (.pt2) with torch's own loader, on the device it was compiled for;
+on CUDA, its calls replayed as CUDA graphs (runtimes/cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from torch._inductor import aoti_load_package
 
+from runtimes.cuda_graphs import CudaGraphs
 from runtimes.on_device import OnDevice
 
 # The distributions it loads artifacts with, whose versions a check's report records.
@@ -28,26 +30,32 @@ class AotiPackage(OnDevice):
     def __init__(self, path: Path, device: str = "cpu") -> None:
         _share_libstdcxx()
         on = torch.device(device)
-        model = _load(path)
+        graphed = on.type == "cuda"
+        model = _load(path, single_threaded=graphed)
         compiled_for = model.get_metadata().get(_DEVICE_KEY, on.type)
         if compiled_for != on.type:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
-        super().__init__(model, on)
+        super().__init__(CudaGraphs(model) if graphed else model, on)
 
 
-def _load(path: Path) -> object:
+def _load(path: Path, single_threaded: bool) -> object:
     """A package whose weights are pickled beside the .so (exporter/backends/aoti.py) needs
     them loaded from the archive and handed to the model, which uses them in place
-    (user_managed): one copy of the weights. `aoti_load_package` leaves them out."""
+    (user_managed): one copy of the weights. `aoti_load_package` leaves them out.
+
+    `single_threaded` runs calls without the runtime's bookkeeping of concurrent calls, which a
+    CUDA graph cannot hold: before each call it asks whether the last one's event has completed,
+    and an event recorded during a capture fails every such question after it."""
     import zipfile
 
     with zipfile.ZipFile(path) as archive:
         pickled = any(name.endswith("weights_config.json") for name in archive.namelist())
     if not pickled:
-        return aoti_load_package(str(path))
+        return aoti_load_package(str(path), run_single_threaded=single_threaded)
     from torch.export.pt2_archive._package import load_pt2
 
-    return load_pt2(str(path), load_weights_from_disk=True).aoti_runners["model"]
+    loaded = load_pt2(str(path), load_weights_from_disk=True, run_single_threaded=single_threaded)
+    return loaded.aoti_runners["model"]
 
 
 def _share_libstdcxx() -> None:
