@@ -9,9 +9,14 @@ cache in mutable buffers: ours (model.pte of `python -m exporter model.kv_cache=
 peer's .pte (optimum-executorch's `optimum-cli export executorch --recipe xnnpack`, installed
 apart from the project: ExecuTorch's LLM ops are registered by the loader where the program
 calls them), or a program.pt2 run in eager PyTorch (the job's eager beside the artifact).
+`NAME=RUNTIME:PATH` names the runtime where the suffix does not: `aoti:RUN/model.pt2` (an
+AOTInductor package), and `compile:RUN/program.pt2`, the exported program's module under
+`torch.compile(mode="reduce-overhead")`, what a user would pick instead of exporting.
 
     python bench/kv_decode.py ours=RUN/model.pte peer=OPTEX/model.pte eager=RUN/program.pt2 \\
         --slots 128 --threads 1 2 --rounds 3
+    python bench/kv_decode.py ours=aoti:RUN/model.pt2 compiled=compile:RUN/program.pt2 \\
+        eager=RUN/program.pt2 --slots 1024 --max-prefill 128 --device cuda
 
 Each figure is the median over `--rounds` rounds of each round's median; `spread` is the
 largest round median over the smallest, of the first artifact. `vs NAME`: that artifact's
@@ -28,22 +33,42 @@ from pathlib import Path
 
 import torch
 from tabulate import tabulate
+from torch.export.passes import move_to_device_pass
 
 from exporter.benchmark.decoding import decode_fills, time_decode, time_prefill
 from exporter.config import BenchmarkConfig
-from runtimes import load, set_threads
+from runtimes import Loaded, load, names, set_threads
+from runtimes.on_device import OnDevice
 
-# The runtime that runs a file, by its suffix.
+# The runtime that runs a file, by its suffix, where NAME=RUNTIME:PATH names none.
 RUNTIMES = {".pte": "executorch", ".pt2": "eager"}
+COMPILE = "compile"
 
 
-def parse_artifact(value: str) -> tuple[str, Path]:
-    name, sep, path = value.partition("=")
-    if not sep or Path(path).suffix not in RUNTIMES:
+def parse_artifact(value: str) -> tuple[str, str, Path]:
+    """NAME=PATH or NAME=RUNTIME:PATH -> (name, runtime, path)."""
+    name, sep, rest = value.partition("=")
+    runtime, colon, path = rest.partition(":")
+    if not colon:
+        runtime, path = RUNTIMES.get(Path(rest).suffix, ""), rest
+    if not sep or runtime not in (*names(), COMPILE):
         raise argparse.ArgumentTypeError(
-            f"{value!r}: give NAME=PATH with a .pte (ExecuTorch) or a .pt2 (eager PyTorch)"
+            f"{value!r}: give NAME=PATH with a .pte (ExecuTorch) or a .pt2 (eager PyTorch), or "
+            f"NAME=RUNTIME:PATH with RUNTIME one of {', '.join((*names(), COMPILE))}"
         )
-    return name, Path(path)
+    return name, runtime, Path(path)
+
+
+def loaded(runtime: str, path: Path, device: str) -> Loaded:
+    if runtime != COMPILE:
+        return load(path, runtime, device)
+    on = torch.device(device)
+    if on.type == "cuda" and on.index is None:
+        # The program's device checks compare the device's full name.
+        on = torch.device("cuda", torch.cuda.current_device())
+    # The program's own constants (an arange's device) move with it, as the eager loader does.
+    module = move_to_device_pass(torch.export.load(path), on).module()
+    return OnDevice(torch.compile(module, mode="reduce-overhead"), on)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,25 +83,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=1.0, help="per call, artifact, round")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where the artifacts run: cpu or cuda")
     args = parser.parse_args(argv)
     longest = args.max_prefill or args.slots - 1
     lengths = sorted({1, (1 + longest) // 2 | 1, longest})
     fills = decode_fills(1, args.slots)
     tokens = torch.randint(0, args.vocab, (args.slots,), generator=torch.Generator().manual_seed(0))
-    names = [name for name, _ in args.artifacts]
-    runtimes = [RUNTIMES[path.suffix] for _, path in args.artifacts]
-    loaded = [
-        (runtime, load(path, runtime))
-        for runtime, (_, path) in zip(runtimes, args.artifacts, strict=True)
+    labels = [name for name, _, _ in args.artifacts]
+    instances = [
+        (runtime, loaded(runtime, path, args.device)) for _, runtime, path in args.artifacts
     ]
     settings = BenchmarkConfig(
         enabled=True, warmup=args.warmup, repeats=1000, seconds=args.seconds, threads=None
     )
     calls = [("prefill", length) for length in lengths] + [("decode", fill) for fill in fills]
     for threads in args.threads:
-        for runtime, _ in loaded:
-            set_threads(runtime, threads)
-        contenders = [instance for _, instance in loaded]
+        for runtime, _ in instances:
+            set_threads("eager" if runtime == COMPILE else runtime, threads)
+        contenders = [instance for _, instance in instances]
         medians: dict[tuple[str, int], list[list[float]]] = {call: [] for call in calls}
         for _ in range(args.rounds):
             for kind, at in calls:
@@ -87,25 +111,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 medians[(kind, at)].append([t.median_ms for t in timings])
         print(f"\n{threads} thread{'s' if threads > 1 else ''}, {args.rounds} rounds")
-        print(table(names, calls, medians))
+        print(table(labels, calls, medians))
     return 0
 
 
 def table(
-    names: Sequence[str],
+    labels: Sequence[str],
     calls: Sequence[tuple[str, int]],
     medians: dict[tuple[str, int], list[list[float]]],
 ) -> str:
     """One row per call: each artifact's median ms and tokens/s, the first one's spread over
     rounds, and every other's median over the first one's."""
     headers = ["call"]
-    for name in names:
+    for name in labels:
         headers += [f"{name} ms", f"{name} tok/s"]
-    headers += ["spread", *(f"{names[0]} vs {name}" for name in names[1:])]
+    headers += ["spread", *(f"{labels[0]} vs {name}" for name in labels[1:])]
     rows = []
     for kind, at in calls:
         rounds = medians[(kind, at)]
-        per_artifact = [statistics.median(r[i] for r in rounds) for i in range(len(names))]
+        per_artifact = [statistics.median(r[i] for r in rounds) for i in range(len(labels))]
         count = at if kind == "prefill" else 1
         row: list[str] = [f"prefill seq={at}" if kind == "prefill" else f"decode pos={at}"]
         for ms in per_artifact:
