@@ -13,6 +13,7 @@ import torch
 from executorch.runtime import Runtime
 
 from exporter import backends, export, models
+from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
 from exporter.models.causal_lm import LlmOpsCacheLM
 from runtimes.loaders.executorch import operator_calls
@@ -91,3 +92,12 @@ def test_a_model_the_ops_do_not_fit_keeps_transformers_ops(
     assert bundle.decoder is not None and not bundle.decoder.llm_ops
     assert not isinstance(bundle.module, LlmOpsCacheLM)
     assert "ExecuTorch's LLM ops do not fit Gemma2ForCausalLM: its attention is" in caplog.text
+
+
+def test_the_ops_are_part_of_the_models_cache_key() -> None:
+    custom = keys.model(composed("backend=executorch", *SMALL))
+    plain = keys.model(composed("backend=executorch", "backend.llm_ops=plain", *SMALL))
+    eager = keys.model(composed("backend=eager", *SMALL))
+    assert custom["llm_ops"] == "custom"
+    # An eager job builds the same module as a plain executorch job: their goldens are shared.
+    assert custom != plain == eager
