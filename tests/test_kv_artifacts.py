@@ -206,9 +206,7 @@ def test_a_lowering_that_makes_the_cache_forget_is_named_by_the_job(
     monkeypatch.setattr(
         xnnpack_rewrites, "for_xnnpack", lambda p: forget_cache_writes(for_xnnpack(p))
     )
-    record, report = job_in_process(
-        tmp_path, "backend=executorch", "backend.llm_ops=plain", *SMALL
-    )
+    record, report = job_in_process(tmp_path, "backend=executorch", "backend.llm_ops=plain", *SMALL)
     assert record.exit_code == 1
     first = {"session": 0, "pos": 1, "seq": 1}
     assert report["first_failed_step"] == first
