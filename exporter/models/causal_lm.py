@@ -200,7 +200,7 @@ def _trial_misfit(custom: LlmOpsCacheLM, plain: StaticCacheLM) -> str | None:
     custom one fails or computes other logits than the plain one (beyond rounding: 1% of the
     logits' range, where a misplaced key is a wholly different attention). Both caches are
     emptied after."""
-    tokens = torch.arange(_TRIAL_TOKENS).unsqueeze(0) % custom.model.config.vocab_size
+    tokens = torch.arange(_TRIAL_TOKENS).unsqueeze(0)
     calls = [(tokens[:, :-1], torch.arange(_TRIAL_TOKENS - 1))]
     calls.append((tokens[:, -1:], torch.tensor([_TRIAL_TOKENS - 1])))
     try:
