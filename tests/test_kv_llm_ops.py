@@ -15,6 +15,7 @@ from executorch.runtime import Runtime
 from exporter import backends, export, models
 from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
+from exporter.localize.node_values import node_values
 from exporter.models.causal_lm import LlmOpsCacheLM
 from runtimes.loaders.executorch import operator_calls
 from tests.test_audit import composed
@@ -101,3 +102,17 @@ def test_the_ops_are_part_of_the_models_cache_key() -> None:
     assert custom["llm_ops"] == "custom"
     # An eager job builds the same module as a plain executorch job: their goldens are shared.
     assert custom != plain == eager
+
+
+def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
+    # Their kernels take float32 and the halves: the float64 run of a node (the search's
+    # oracle of it) runs their stand-ins, which agree with the model's own float32 values.
+    job = composed("backend=executorch", *SMALL)
+    bundle = models.build(job.model, job.dynamic, LlmOps.custom)
+    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    ops = [n.name for n in program.graph.nodes if str(n.target).startswith("llama.")]
+    assert len(ops) == 3
+    values = node_values(program, (torch.arange(9).unsqueeze(0), torch.arange(9)), ops)
+    (wide, narrow) = values[next(n for n in ops if "custom_sdpa" in n)]
+    assert wide.dtype == torch.float64 and narrow.dtype == torch.float32
+    assert torch.allclose(wide, narrow.double(), atol=1e-5)

@@ -95,3 +95,45 @@ def _attention(
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     # custom_sdpa masks causally from its start position itself.
     return None
+
+
+def update_cache_float64(value: torch.Tensor, cache: torch.Tensor, start: int) -> torch.Tensor:
+    """llama::update_cache in plain torch, for float64 caches, which its kernel refuses (it
+    takes float32 and the halves): value [batch, count, heads, head_dim] into the cache's slots
+    from `start`."""
+    cache[:, start : start + value.shape[1]] = value
+    return torch.empty(1, dtype=value.dtype)
+
+
+def custom_sdpa_float64(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    start: int,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """llama::custom_sdpa in plain torch, for float64, causal as the ops' attention calls it:
+    query [batch, seq, heads, head_dim] at positions start.. over the cache's slots up to each
+    query's own (a grouped cache's heads shared by heads // kv_heads queries each)."""
+    count = query.shape[1]
+    keys, values = key_cache[:, : start + count], value_cache[:, : start + count]
+    groups = query.shape[2] // keys.shape[2]
+    keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2)
+    values = values.repeat_interleave(groups, dim=2).transpose(1, 2)
+    positions = torch.arange(count).unsqueeze(1) + start
+    allowed = torch.arange(start + count).unsqueeze(0) <= positions
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), keys, values, attn_mask=allowed, scale=scale
+    )
+    return output.transpose(1, 2)
+
+
+# The ops' float64 stand-ins by operator name, for a float64 run of a program that calls them
+# (exporter/localize/node_values.py: the oracle of a node).
+FLOAT64 = {
+    "llama::update_cache": update_cache_float64,
+    "llama::custom_sdpa": custom_sdpa_float64,
+}
