@@ -17,7 +17,9 @@ from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
 from exporter.localize.node_values import node_values
 from exporter.models.causal_lm import LlmOpsCacheLM
+from runtimes import load
 from runtimes.loaders.executorch import operator_calls
+from runtimes.verdict.sessions import Cache
 from tests.test_audit import composed
 from tests.test_hf_models import ARCHITECTURES, hf
 from tests.test_kv_cache import SMALL
@@ -116,3 +118,15 @@ def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
     (wide, narrow) = values[next(n for n in ops if "custom_sdpa" in n)]
     assert wide.dtype == torch.float64 and narrow.dtype == torch.float32
     assert torch.allclose(wide, narrow.double(), atol=1e-5)
+
+
+def test_the_eager_program_decodes_at_the_last_slot(tmp_path: Path) -> None:
+    # Export's reasoning (a dynamic length of 2 or more) would otherwise assert in the eager
+    # program that no call starts at the last slot (the job's benchmark times eager there).
+    job = composed("backend=executorch", *SMALL)
+    bundle = models.build(job.model, job.dynamic, LlmOps.custom)
+    path = export.run(bundle, job.export.on_failure, tmp_path).path
+    cache = Cache(load(path, "eager"), slots=16)
+    cache.call(torch.zeros(1, 15, dtype=torch.long), 0)
+    (logits,) = cache.call(torch.zeros(1, 1, dtype=torch.long), 15)
+    assert logits.shape == (1, 1, 512) and bool(torch.isfinite(logits).all())

@@ -105,9 +105,11 @@ def build(
 
 
 def _with_llm_ops(declaration: ModelDeclaration) -> ModelDeclaration:
-    from exporter.models.causal_lm import with_llm_ops
-
-    declaration, misfit = with_llm_ops(declaration)
+    # Imported by name: a model with a decoder was built by a builder that imports causal_lm
+    # (so its cache key holds it already), and an import statement here would put causal_lm,
+    # and transformers, into every model's key.
+    causal_lm = importlib.import_module(f"{__name__}.causal_lm")
+    declaration, misfit = causal_lm.with_llm_ops(declaration)
     if misfit:
         log.warning(
             "[model] backend.llm_ops=custom: ExecuTorch's LLM ops do not fit %s: %s; its KV "
