@@ -5,7 +5,8 @@ the position by a session of the same tokens, then the step is timed repeatedly,
 slot), the artifacts taking turns.
 
 Any artifact with the signature `forward(input_ids[1, S], cache_position[S]) -> logits` and its
-cache in mutable buffers: ours (model.pte of `python -m exporter model.kv_cache=static`), a
+cache in mutable buffers: ours (model.pte of `python -m exporter model.kv_cache=static`, with
+ExecuTorch's LLM ops or `backend.llm_ops=plain`), a
 peer's .pte (optimum-executorch's `optimum-cli export executorch --recipe xnnpack`, installed
 apart from the project: ExecuTorch's LLM ops are registered by the loader where the program
 calls them), or a program.pt2 run in eager PyTorch (the job's eager beside the artifact).
@@ -90,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fills = decode_fills(1, args.slots)
     tokens = torch.randint(0, args.vocab, (args.slots,), generator=torch.Generator().manual_seed(0))
     labels = [name for name, _, _ in args.artifacts]
+    if any(runtime in ("eager", COMPILE) for _, runtime, _ in args.artifacts):
+        # A program.pt2 of an executorch job calls ExecuTorch's LLM ops
+        # (backend.llm_ops=custom), whose CPU kernels torch loads with their library.
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+
     instances = [
         (runtime, loaded(runtime, path, args.device)) for _, runtime, path in args.artifacts
     ]

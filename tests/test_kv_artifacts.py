@@ -192,14 +192,15 @@ def test_a_lowering_that_makes_the_cache_forget_is_named_by_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same fault made by the executorch backend's own rewrites: the job fails at the first
-    decode step and its search, lowering cut parts with the same rewrites, names the write."""
+    decode step and its search, lowering cut parts with the same rewrites, names the write
+    (transformers' ops: backend.llm_ops=plain)."""
     from exporter.backends.common import xnnpack_rewrites
 
     for_xnnpack = xnnpack_rewrites.for_xnnpack
     monkeypatch.setattr(
         xnnpack_rewrites, "for_xnnpack", lambda p: forget_cache_writes(for_xnnpack(p))
     )
-    record, report = job_in_process(tmp_path, "backend=executorch", *SMALL)
+    record, report = job_in_process(tmp_path, "backend=executorch", "backend.llm_ops=plain", *SMALL)
     assert record.exit_code == 1
     first = {"session": 0, "pos": 1, "seq": 1}
     assert report["first_failed_step"] == first

@@ -28,7 +28,7 @@ import runtimes
 from exporter.backends.common.artifact import Artifact, Output
 from exporter.backends.common.declaration import Backend
 from exporter.backends.common.partition import PARTITION_FILE, PartitionSummary, enforce
-from exporter.config import BackendConfig, FallbackConfig, JobConfig
+from exporter.config import BackendConfig, FallbackConfig, JobConfig, LlmOps
 from exporter.errors import ConfigError
 from exporter.files import write_json
 
@@ -138,6 +138,11 @@ class ConfiguredBackend:
     def eager_device(self, target: Mapping[str, str]) -> str:
         """Where eager PyTorch runs to be timed beside the artifact, which ran on `target`."""
         return self.declaration.eager_device(self.config, target)
+
+    @property
+    def llm_ops(self) -> LlmOps:
+        """The ops the model stage builds a static KV cache with for this backend."""
+        return self.declaration.llm_ops(self.config)
 
     def lower(self, exported: Exported, out_dir: Path) -> Artifact:
         """Writes the artifact file into `out_dir`, and partition.json where the backend

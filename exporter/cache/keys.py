@@ -15,7 +15,14 @@ from typing import Any
 
 from exporter import backends, models
 from exporter.cache.fingerprint import PROJECT_ROOT, code_of
-from exporter.config import BackendConfig, CustomModelConfig, JobConfig, ModelConfig
+from exporter.config import (
+    BackendConfig,
+    CausalLmConfig,
+    CustomModelConfig,
+    JobConfig,
+    KvCache,
+    ModelConfig,
+)
 from exporter.models import custom
 from runtimes.verdict.shapes import LiveShape
 
@@ -28,7 +35,7 @@ def model(job: JobConfig) -> dict[str, Any]:
             "config": dataclasses.asdict(job.quantize),
             "code": code_of(["exporter.quantize"]),
         }
-    return {
+    material = {
         "config": dataclasses.asdict(job.model),
         "code": model_code(job.model),
         "quantize": quantize,
@@ -39,6 +46,10 @@ def model(job: JobConfig) -> dict[str, Any]:
             for path in checkpoint_files(job.model)
         },
     }
+    if isinstance(job.model, CausalLmConfig) and job.model.kv_cache is KvCache.static:
+        # The backend picks the ops of the cache the model stage builds.
+        material["llm_ops"] = backends.configured(job).llm_ops.value
+    return material
 
 
 def model_code(cfg: ModelConfig) -> dict[str, Any]:

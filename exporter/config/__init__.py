@@ -68,6 +68,17 @@ class KvCache(Enum):
     static = "static"
 
 
+class LlmOps(Enum):
+    """The ops a causal LM's static KV cache is written and read with, as its backend asks
+    (`backend.llm_ops` where the backend has the key): `custom`, ExecuTorch's LLM ops
+    (`llama::update_cache` writes each call's keys and values, `llama::custom_sdpa` attends over
+    the filled slots); `plain`, transformers' own (index_copy_ writes, its attention over every
+    slot with a mask)."""
+
+    custom = "custom"
+    plain = "plain"
+
+
 @dataclass
 class CausalLmConfig(ModelConfig):
     """What every causal LM takes: how it is exported. `max_cache_len` (null: the seq bound's

@@ -204,7 +204,7 @@ class _Sequence:
         # The libraries are imported and the MLflow run is open: they last as long as the job.
         memory.spare_survivors()
         with self.timed("model"):
-            bundle = models.build(job.model, job.dynamic)
+            bundle = models.build(job.model, job.dynamic, self.backend.llm_ops)
             produced.weight_bytes = models.weight_bytes(bundle.module)
             model_material = cache_keys.model(job)
         if job.quantize.enabled:
@@ -651,7 +651,7 @@ def _localize(
     # (exporter/job/worker.py).
     work_dir = Path(tempfile.mkdtemp(dir=run_dir, prefix=f"{PARTIAL_PREFIX}localize-"))
     try:
-        exported = program.load() if program else _export_now(job, work_dir)
+        exported = program.load() if program else _export_now(job, backend, work_dir)
 
         def lower(part: ExportedProgram, folder: Path) -> Callable[[], Loaded]:
             # The part is in memory only: its path is where a backend that ships the program
@@ -732,11 +732,11 @@ def _replay(
     )
 
 
-def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:
+def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Path) -> Exported:
     """A job that validated a given artifact exported no program: the search exports the
-    model now."""
+    model now, as the backend's job would."""
     log.info("[localize] exporting the model: the job validated a given artifact")
-    bundle = models.build(job.model, job.dynamic)
+    bundle = models.build(job.model, job.dynamic, backend.llm_ops)
     return export.run(bundle, job.export.on_failure, work_dir)
 
 

@@ -140,7 +140,17 @@ def _call_widened(target: Any, args: Any, kwargs: Any) -> Any:
     if bodies:
         # wrap_with_autocast(..., body, *inputs), wrap_with_set_grad_enabled(mode, body, *inputs)
         return _Widened(args[bodies[0]]).run(*args[bodies[0] + 1 :])
-    return target(*args, **kwargs)
+    return _float64_kernel(target)(*args, **kwargs)
+
+
+def _float64_kernel(target: Any) -> Any:
+    """The op itself, or where its kernel refuses float64 (ExecuTorch's LLM ops take float32
+    and the halves), its float64 stand-in."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "llama":
+        from exporter.models.llm_ops import FLOAT64
+
+        return FLOAT64.get(target.name(), target)
+    return target
 
 
 def _widened(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -16,6 +17,7 @@ from exporter.config import (
     HfConfig,
     KvCache,
     LlamaConfig,
+    LlmOps,
     MaskedConfig,
     MlpConfig,
     ModelConfig,
@@ -33,6 +35,8 @@ from exporter.models.bundle import (
     weight_bytes,
     weights,
 )
+
+log = logging.getLogger(__name__)
 
 # Each schema's builder: the module of this package whose declare() builds it. Imported when its
 # model is built, so a job imports only its own model's libraries (transformers for llama), and
@@ -67,12 +71,18 @@ def builder(cfg: ModelConfig) -> str:
     return f"{__name__}.{_BUILDERS[type(cfg)]}"
 
 
-def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
+def build(
+    cfg: ModelConfig, dynamic: Mapping[str, DimBounds], llm_ops: LlmOps = LlmOps.plain
+) -> ModelBundle:
+    """The model of `cfg` within the `dynamic` bounds; a static KV cache written and read with
+    `llm_ops` (the backend's choice) where they fit the model."""
     # Seeded here for every builder, the user's factory too: weights drawn at random are the
     # same in every process, as the cache and the goldens need.
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
         declaration = importlib.import_module(builder(cfg)).declare(_with_cache_slots(cfg, dynamic))
+    if llm_ops is LlmOps.custom and declaration.decoder is not None:
+        declaration = _with_llm_ops(declaration)
     dtype = torch_dtype(cfg.dtype)
     make_inputs = declaration.make_inputs
 
@@ -92,6 +102,28 @@ def build(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelBundle:
         decoder=declaration.decoder,
         export_strict=declaration.export_strict,
     )
+
+
+def _with_llm_ops(declaration: ModelDeclaration) -> ModelDeclaration:
+    # Imported by name: a model with a decoder was built by a builder that imports causal_lm
+    # (so its cache key holds it already), and an import statement here would put causal_lm,
+    # and transformers, into every model's key.
+    causal_lm = importlib.import_module(f"{__name__}.causal_lm")
+    declaration, misfit = causal_lm.with_llm_ops(declaration)
+    if misfit:
+        log.warning(
+            "[model] backend.llm_ops=custom: ExecuTorch's LLM ops do not fit %s: %s; its KV "
+            "cache keeps transformers' ops (index_copy_ writes, its attention with a mask)",
+            type(declaration.module.model).__name__,
+            misfit,
+        )
+    elif declaration.decoder and declaration.decoder.llm_ops:
+        log.info(
+            "[model] the KV cache is written by llama::update_cache and read by "
+            "llama::custom_sdpa (backend.llm_ops=custom): a target imports "
+            "executorch.extension.llm.custom_ops.custom_ops before loading the program"
+        )
+    return declaration
 
 
 def _with_cache_slots(cfg: ModelConfig, dynamic: Mapping[str, DimBounds]) -> ModelConfig:

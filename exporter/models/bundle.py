@@ -52,20 +52,23 @@ class Decoder:
     # weights (the weights audit skips them). The program cannot say: torch.export keeps the
     # cache's writes in place (index_copy_), and its signature lists no buffer mutation.
     cache_buffers: tuple[str, ...] = ()
+    # The program writes and reads its cache with ExecuTorch's LLM ops
+    # (exporter/models/llm_ops.py), which a runtime registers before it loads the program.
+    llm_ops: bool = False
 
     def runner_metadata(self, seq: DynamicDim) -> RunnerMetadata:
         """What an LLM runner reads of the program before running it, under the names of
         ExecuTorch's runners (extension/llm/runner/constants.h): the longest call (`seq`'s
-        max), the cache's slots, the vocabulary, the layers, a KV cache in plain ops (no
-        custom SDPA-with-cache op), whether the call's length is dynamic, and BOS/EOS where
-        the checkpoint has them."""
+        max), the cache's slots, the vocabulary, the layers, a KV cache, whether ExecuTorch's
+        SDPA-with-cache op reads it (`llm_ops`), whether the call's length is dynamic, and
+        BOS/EOS where the checkpoint has them."""
         metadata: RunnerMetadata = {
             "get_max_seq_len": seq.max,
             "get_max_context_len": self.max_cache_len,
             "get_vocab_size": self.vocab_size,
             "get_n_layers": self.layers,
             "use_kv_cache": True,
-            "use_sdpa_with_kv_cache": False,
+            "use_sdpa_with_kv_cache": self.llm_ops,
             "enable_dynamic_shape": not seq.is_static,
         }
         if self.bos_id is not None:

@@ -5,6 +5,7 @@ optimum-executorch)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ from transformers.integrations.executorch import TorchExportableModuleWithStatic
 
 from exporter.config import CausalLmConfig, KvCache
 from exporter.errors import ConfigError
+from exporter.models import llm_ops
 from exporter.models.bundle import Decoder, ModelDeclaration
 
 
@@ -54,6 +56,28 @@ class StaticCacheLM(TorchExportableModuleWithStaticCache):
             layer.cumulative_length = self._buffers[f"cumulative_length_{index}"]
             layer.device = layer.keys.device
         return self
+
+
+class LlmOpsCacheLM(StaticCacheLM):
+    """StaticCacheLM whose cache ExecuTorch's LLM ops write and read (exporter/models/llm_ops.py):
+    the same buffers, in the ops' layout."""
+
+    def __init__(self, model: PreTrainedModel, max_cache_len: int) -> None:
+        super().__init__(model, max_cache_len)
+        llm_ops.register()
+        for index, layer in enumerate(self.static_cache.layers):
+            self.static_cache.layers[index] = replaced = llm_ops.LlmOpsLayer(layer)
+            self.register_buffer(f"key_cache_{index}", replaced.keys, persistent=False)
+            self.register_buffer(f"value_cache_{index}", replaced.values, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = llm_ops.ATTENTION
+        try:
+            return super().forward(input_ids, cache_position)
+        finally:
+            config._attn_implementation = previous
 
 
 def declare_causal_lm(
@@ -128,6 +152,76 @@ def declare_causal_lm(
         # fails).
         export_strict=True,
     )
+
+
+def with_llm_ops(declaration: ModelDeclaration) -> tuple[ModelDeclaration, str | None]:
+    """The declaration with its cache written and read by ExecuTorch's LLM ops (LlmOpsCacheLM)
+    and why not where they do not fit its model: then the declaration is returned unchanged
+    with the reason. A declaration without StaticCacheLM's cache (a custom factory's) has
+    nothing to change."""
+    module, decoder = declaration.module, declaration.decoder
+    if not isinstance(module, StaticCacheLM) or decoder is None:
+        return declaration, None
+    model = module.model
+    misfit = _llm_ops_misfit(model, decoder.max_cache_len)
+    if misfit:
+        return declaration, misfit
+    custom = LlmOpsCacheLM(model, decoder.max_cache_len).eval()
+    misfit = _trial_misfit(custom, module)
+    if misfit:
+        return declaration, misfit
+    return dataclasses.replace(
+        declaration, module=custom, decoder=dataclasses.replace(decoder, llm_ops=True)
+    ), None
+
+
+def _llm_ops_misfit(model: PreTrainedModel, slots: int) -> str | None:
+    """What keeps `custom_sdpa` (causal attention over the filled slots, no mask, no softcap)
+    from computing the model's attention, as far as its config says."""
+    config = model.config.get_text_config()
+    attention = model.config._attn_implementation
+    if attention != "sdpa":
+        return (
+            f"its attention is transformers' {attention!r} (custom_sdpa stands in for 'sdpa' "
+            "only: the model computes what sdpa does not, as softcapped scores)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < slots:
+        return f"its sliding window of {window} tokens is shorter than the cache's {slots} slots"
+    return None
+
+
+# A prefill and a decode step: enough to see a model call the ops as they are meant.
+_TRIAL_TOKENS = 3
+
+
+def _trial_misfit(custom: LlmOpsCacheLM, plain: StaticCacheLM) -> str | None:
+    """Runs a prefill and a decode step through both modules: the ops do not fit where the
+    custom one fails or computes other logits than the plain one (beyond rounding: 1% of the
+    logits' range, where a misplaced key is a wholly different attention). Both caches are
+    emptied after."""
+    tokens = torch.arange(_TRIAL_TOKENS).unsqueeze(0)
+    calls = [(tokens[:, :-1], torch.arange(_TRIAL_TOKENS - 1))]
+    calls.append((tokens[:, -1:], torch.tensor([_TRIAL_TOKENS - 1])))
+    try:
+        with torch.no_grad():
+            got = torch.cat([custom(*call) for call in calls], dim=1).float()
+            expected = torch.cat([plain(*call) for call in calls], dim=1).float()
+    # Any failure of the model's code under the ops says they do not fit it.
+    except Exception as error:
+        return f"a trial call with them failed: {type(error).__name__}: {error}"
+    finally:
+        for module in (custom, plain):
+            for buffer in module.buffers(recurse=False):
+                buffer.zero_()
+    scale = float(expected.abs().max()) or 1.0
+    difference = float((got - expected).abs().max())
+    if not difference <= 0.01 * scale:
+        return (
+            f"a trial prefill and decode step with them differ from transformers' by "
+            f"{difference:.3g} (logits up to {scale:.3g})"
+        )
+    return None
 
 
 def cache_slots(cfg: CausalLmConfig) -> int | None:

@@ -16,6 +16,7 @@ such a .pte without this loader must import it too.
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -91,6 +92,7 @@ _PROGRAM_ID, _XNNPACK_ID = b"ET12", b"XN01"
 _EXTERNAL = 1  # TensorDataLocation
 _INLINE = 0  # DataLocation
 _TENSOR = 5  # KernelTypes union member
+_KERNEL_CALL = 1  # InstructionArguments union member
 _XNNPACK_BACKEND = "XnnpackBackend"
 _XNNPACK_HEADER = b"XH00"
 # The namespace of ExecuTorch's LLM ops, registered by importing their library.
@@ -108,6 +110,26 @@ def operators(path: Path) -> list[str]:
         for op in plan.tables(6)
     ]
     return list(dict.fromkeys(names))
+
+
+def operator_calls(path: Path) -> Counter[str]:
+    """How many times the program's instructions call each operator outside its delegates."""
+    with path.open("rb") as file:
+        program = _program_table(file)
+    calls: Counter[str] = Counter()
+    for plan in program.tables(1):
+        # ExecutionPlan's operators (field 6) and chains (5); a Chain's instructions (2); an
+        # Instruction's union (0) of which a KernelCall names its operator by index (field 0).
+        names = [
+            f"{op.string(0)}.{op.string(1)}" if op.string(1) else op.string(0)
+            for op in plan.tables(6)
+        ]
+        for chain in plan.tables(5):
+            for instruction in chain.tables(2):
+                kind, call = instruction.union(0)
+                if kind == _KERNEL_CALL and call is not None:
+                    calls[names[int(call.scalar(0, N.Int32Flags))]] += 1
+    return calls
 
 
 def _program_table(file: BinaryIO) -> Table:

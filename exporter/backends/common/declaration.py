@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, FallbackConfig, LlmOps
 
 if TYPE_CHECKING:
     from exporter.backends.common.artifact import Artifact, Output, WeightsReader
@@ -55,6 +55,11 @@ class Backend:
         a GPU): part of the lowering's cache key. By default nothing: the libraries its lowering
         imports are in the key already."""
         return {}
+
+    def llm_ops(self, config: Any) -> LlmOps:
+        """The ops the model stage builds a static KV cache with for this backend's runtime:
+        by default transformers' own, which every runtime runs."""
+        return LlmOps.plain
 
     def lower(
         self, exported: Exported, config: Any, fallback: FallbackConfig, out_dir: Path

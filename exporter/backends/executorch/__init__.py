@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
 from exporter.backends.common.declaration import Backend
-from exporter.config import BackendConfig, FallbackConfig, WrongKernels
+from exporter.config import BackendConfig, FallbackConfig, LlmOps, WrongKernels
 
 if TYPE_CHECKING:
     from exporter.export import Exported
@@ -32,6 +32,10 @@ class ExecutorchConfig(BackendConfig):
     # Weights in model.ptd, beside a model.pte that holds the program only: for weights past
     # what one flatbuffer addresses (2 GB), and a data file the runtime can map.
     external_weights: bool = False
+    # A static KV cache's ops (model.kv_cache=static): ExecuTorch's LLM ops (custom), or
+    # transformers' own (plain). A .pte with the custom ops loads where ExecuTorch's custom-ops
+    # library is imported (runtimes/loaders/executorch.py imports it).
+    llm_ops: LlmOps = LlmOps.custom
 
 
 # How its artifacts compute at a half dtype where that costs precision eager does not lose,
@@ -64,6 +68,9 @@ class Executorch(Backend):
             device="cpu",
             data_file="model.ptd" if config.external_weights else None,
         )
+
+    def llm_ops(self, config: ExecutorchConfig) -> LlmOps:
+        return config.llm_ops
 
     def lower(
         self, exported: Exported, config: ExecutorchConfig, fallback: FallbackConfig, out_dir: Path
