@@ -27,6 +27,7 @@ median over this one's (above 1: this one is faster).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from collections.abc import Sequence
@@ -93,8 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = [name for name, _, _ in args.artifacts]
     if any(runtime in ("eager", COMPILE) for _, runtime, _ in args.artifacts):
         # A program.pt2 of an executorch job calls ExecuTorch's LLM ops
-        # (backend.llm_ops=custom), whose CPU kernels torch loads with their library.
-        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+        # (backend.llm_ops=custom), whose CPU kernels torch loads with their library; a
+        # machine without ExecuTorch (the GPU machine) times programs without them.
+        with contextlib.suppress(ModuleNotFoundError):
+            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
 
     instances = [
         (runtime, loaded(runtime, path, args.device)) for _, runtime, path in args.artifacts
