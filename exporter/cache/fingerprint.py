@@ -67,6 +67,13 @@ def code_of(
 
 def library_version(distribution: str) -> str:
     """The installed version of `distribution`, or "not installed"."""
+    return _installed_version(distribution)
+
+
+@functools.cache
+def _installed_version(distribution: str) -> str:
+    """library_version's lookup, once a process: each scans every installed distribution's
+    folder (~5 ms), and a job's keys ask for torch's and the others' versions hundreds of times."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
