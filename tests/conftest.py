@@ -35,24 +35,64 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
 
 
+# xdist's loadfile hands a worker the next file whenever its queue runs low, in the order they
+# were collected (pyproject turns off xdist's own order, by number of tests, which put the files
+# of a few long jobs last: one worker ran test_verdicts.py alone for the suite's last minutes).
+# The files whose jobs take minutes go first, about longest first by the 566-test run's
+# `--durations` (25 s to 4 min each), so the last ones handed out are short.
+LONGEST_FILES = (
+    "test_fallback.py",
+    "test_cli.py",
+    "test_half_verdict.py",
+    "test_bundle.py",
+    "test_webgpu.py",
+    "test_cache_keys.py",
+    "test_tampered_artifacts.py",
+    "test_target_run.py",
+    "test_wrong_kernels.py",
+    "test_verdicts.py",
+    "test_localize.py",
+    "test_mlflow_ui.py",
+    "test_hf_models.py",
+    "test_sweep.py",
+    "test_interrupts.py",
+    "test_kv_report.py",
+    "test_external_weights.py",
+    "test_audit.py",
+    "test_kv_artifacts.py",
+    "test_kv_backends.py",
+    "test_encoder.py",
+    "test_outputs.py",
+    "test_aoti.py",
+    "test_export_failures.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    place = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))
+
+
 def composed(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
-def job_in_process(run_dir: Path, *overrides: str) -> tuple[JobRecord, dict]:
+def job_in_process(
+    run_dir: Path, *overrides: str, cache_dir: Path | None = None
+) -> tuple[JobRecord, dict]:
     """Runs one job's stages in this process; its record and report.json. For tests of what the
     stages compute, not of the command: it skips the command's ~5 s of imports in a fresh
     process. The search has no time limit unless the overrides set one: what it finds must not
-    depend on the machine's load."""
+    depend on the machine's load. With `cache_dir`, the job stores what it makes there, for the
+    commands of a test to find."""
     unbounded = (
         ()
         if any(o.startswith("validate.localize_seconds=") for o in overrides)
         else ("validate.localize_seconds=null",)
     )
-    job = config.to_job(
-        composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", "cache=false")
-    )
+    cache = ("cache=false",) if cache_dir is None else ("cache=true", f"cache_dir={cache_dir}")
+    job = config.to_job(composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", *cache))
     record, produced = JobRecord(run_dir=run_dir), Produced()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, SweepResult, run_exporter, run_sweep
+from tests.conftest import CliResult, SweepResult, job_in_process, run_exporter, run_sweep
 
 # The op that makes each model's data-dependent count, as the edge dialect names it.
 DATA_DEPENDENT_OP = {"moe": "aten.nonzero.default", "masked": "aten.index.Tensor"}
@@ -123,20 +123,20 @@ def test_strict_on_a_model_with_ops_off_the_backend_exits_4_listing_them(
     assert not (result.run_dir / "model.pte").exists()
 
 
-def test_unbacked_tokens_export_and_validate_under_data_dependent(
-    exporter_cli: Callable[..., CliResult],
-) -> None:
-    result = exporter_cli("model=masked", "dynamic.tokens.mode=unbacked", "fallback=data_dependent")
-    assert result.exit_code == 0, result.output
-    assert reasons_of(result.run_dir, "aten.index.Tensor") == {"data-dependent output shape"}
+# What the stages partition, validated in the test's process: it skips a job process's start.
+def test_unbacked_tokens_export_and_validate_under_data_dependent(tmp_path: Path) -> None:
+    record, report = job_in_process(
+        tmp_path, "model=masked", "dynamic.tokens.mode=unbacked", "fallback=data_dependent"
+    )
+    assert record.exit_code == 0, record.error
+    assert report["passed"]
+    assert reasons_of(tmp_path, "aten.index.Tensor") == {"data-dependent output shape"}
 
 
-def test_ops_named_in_fallback_ops_stay_off_the_backend(
-    exporter_cli: Callable[..., CliResult],
-) -> None:
-    result = exporter_cli("model=mlp", "fallback.ops=[aten.relu.default]")
-    assert result.exit_code == 0, result.output
-    nodes = partition(result.run_dir)["nodes"]
+def test_ops_named_in_fallback_ops_stay_off_the_backend(tmp_path: Path) -> None:
+    record, _ = job_in_process(tmp_path, "model=mlp", "fallback.ops=[aten.relu.default]")
+    assert record.exit_code == 0, record.error
+    nodes = partition(tmp_path)["nodes"]
     relus = [n for n in nodes if n["op"] == "aten.relu.default"]
     assert len(relus) == 2
     assert {(n["placement"], n["reason"]) for n in relus} == {("cpu", "named in fallback.ops")}
@@ -144,12 +144,10 @@ def test_ops_named_in_fallback_ops_stay_off_the_backend(
     assert {n["reason"] for n in others} == {"delegated"}
 
 
-def test_blocks_under_min_block_size_are_not_delegated(
-    exporter_cli: Callable[..., CliResult],
-) -> None:
-    result = exporter_cli("model=mlp", "fallback.min_block_size=9")
-    assert result.exit_code == 0, result.output
-    report = partition(result.run_dir)
+def test_blocks_under_min_block_size_are_not_delegated(tmp_path: Path) -> None:
+    record, _ = job_in_process(tmp_path, "model=mlp", "fallback.min_block_size=9")
+    assert record.exit_code == 0, record.error
+    report = partition(tmp_path)
     # Three linears, kept whole for ExecuTorch's linear kernel when not delegated, two relus.
     assert (report["delegates"], report["fallback_op_count"]) == (0, 5)
     assert {n["op"] for n in report["nodes"]} == {"aten.linear.default", "aten.relu.default"}

@@ -74,6 +74,17 @@ def test_a_library_is_listed_with_its_installed_version(tmp_path: Path) -> None:
     assert code_of(["m"], roots=(tmp_path,))["libraries"] == {"torch": torch_version}
 
 
+def test_a_library_is_listed_by_its_distribution_s_name_found_in_its_record(
+    tmp_path: Path,
+) -> None:
+    # scikit-learn declares no top_level.txt: only its RECORD says that it installs sklearn.
+    write_module(tmp_path, "import sklearn\n")
+    assert importlib.metadata.distribution("scikit-learn").read_text("top_level.txt") is None
+    assert code_of(["m"], roots=(tmp_path,))["libraries"] == {
+        "scikit-learn": importlib.metadata.version("scikit-learn")
+    }
+
+
 def test_the_standard_library_is_not_listed(tmp_path: Path) -> None:
     write_module(tmp_path, "from __future__ import annotations\nimport json\nfrom os import path\n")
     result = code_of(["m"], roots=(tmp_path,))

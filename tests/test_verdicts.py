@@ -11,13 +11,22 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from exporter import config, models
-from tests.conftest import CONF_DIR, CliResult
+from tests.conftest import CONF_DIR, CliResult, job_in_process
 
 # The failures here are about the verdict; where they come from is test_localize's to show, and
 # a search after each one would cost more than the rest of the test.
 NO_SEARCH = ("validate.localize=off",)
 # One decoder layer is enough for a layer to be wrong in, and lowers in two thirds of the time.
 LLAMA = ("model=llama", "model.num_hidden_layers=1")
+
+
+def built_in_process(tmp_path: Path, *overrides: str) -> tuple[Path, dict, str]:
+    """The artifact of a passing job, made in the test's process: its file, its report, and the
+    override that has the commands judging it find its exported program and goldens."""
+    cache_dir = tmp_path / "cache"
+    record, report = job_in_process(tmp_path / "built", *overrides, cache_dir=cache_dir)
+    assert record.exit_code == 0, record.error
+    return tmp_path / "built" / "model.pte", report, f"cache_dir={cache_dir}"
 
 
 def weight_of(parameter: str, *overrides: str) -> torch.Tensor:
@@ -43,14 +52,11 @@ def scaled_copy(artifact: Path, weight: torch.Tensor, factor: float, out: Path) 
 def test_a_float32_llama_with_one_layer_scaled_by_1_01_fails_the_reference_rule(
     exporter_cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:
-    built = exporter_cli(*LLAMA, "backend=executorch", "mlflow=off")
-    assert built.exit_code == 0, built.output
+    artifact, _, cache = built_in_process(tmp_path, *LLAMA, "backend=executorch")
     layer = "model.model.layers.0.mlp.down_proj.weight"
-    tampered = scaled_copy(
-        built.run_dir / "model.pte", weight_of(layer, *LLAMA), 1.01, tmp_path / "t.pte"
-    )
+    tampered = scaled_copy(artifact, weight_of(layer, *LLAMA), 1.01, tmp_path / "t.pte")
     judged = exporter_cli(
-        *LLAMA, "backend=executorch", f"artifact={tampered}", "mlflow=off", *NO_SEARCH
+        *LLAMA, "backend=executorch", f"artifact={tampered}", "mlflow=off", cache, *NO_SEARCH
     )
     assert judged.exit_code == 1, judged.output
     report = judged.report()
@@ -64,22 +70,21 @@ def test_bfloat16_a_correct_artifact_passes_where_atol_fails_and_a_scaled_head_f
     exporter_cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:
     bf16 = (*LLAMA, "model.dtype=bfloat16", "backend=executorch", "mlflow=off")
-    built = exporter_cli(*bf16)
-    assert built.exit_code == 0, built.output
-    report = built.report()
+    artifact, report, cache = built_in_process(tmp_path, *bf16)
     shapes = report["shapes"]
     # The artifact is as precise as eager bfloat16 (its error over eager's near 1), which is
     # far beyond the absolute default's atol.
     assert all(float(shape["ratio"]) < 1.5 for shape in shapes)
     assert min(float(shape["max_abs"]) for shape in shapes) > report["atol"]
 
-    artifact = built.run_dir / "model.pte"
-    absolute = exporter_cli(*bf16, f"artifact={artifact}", "validate.rule=absolute", *NO_SEARCH)
+    absolute = exporter_cli(
+        *bf16, f"artifact={artifact}", "validate.rule=absolute", cache, *NO_SEARCH
+    )
     assert absolute.exit_code == 1, absolute.output
 
     head = weight_of("model.lm_head.weight", *LLAMA, "model.dtype=bfloat16")
     tampered = scaled_copy(artifact, head, 1.01, tmp_path / "t.pte")
-    judged = exporter_cli(*bf16, f"artifact={tampered}", *NO_SEARCH)
+    judged = exporter_cli(*bf16, f"artifact={tampered}", cache, *NO_SEARCH)
     assert judged.exit_code == 1, judged.output
     # A 1% error in bfloat16 is about two of its roundings: twice eager's error, not more.
     assert max(float(shape["ratio"]) for shape in judged.report()["shapes"]) > 1.5
