@@ -209,7 +209,10 @@ class _Sequence:
             model_material = cache_keys.model(job)
         if job.quantize.enabled:
             with self.timed("quantize"):
-                bundle = quantize.quantized(bundle, job.quantize)
+                scales = self.backend.group_scales
+                bundle = quantize.quantized(bundle, job.quantize, scales)
+                produced.quantization = quantize.summary(bundle.module, job.quantize, scales)
+                log.info("[quantize] %s", produced.quantization.line())
         program = None
         if not job.artifact:
             with self.timed("export"):
@@ -604,6 +607,7 @@ def _write_report(run_dir: Path, produced: Produced) -> None:
 def _report_payload(produced: Produced) -> dict[str, Any]:
     assert produced.report is not None
     sections = {
+        "quantization": produced.quantization and produced.quantization.to_json(),
         "weights_audit": produced.weights_audit and produced.weights_audit.to_json(),
         "first_divergence": produced.localization and produced.localization.to_json(),
         "benchmark": produced.benchmark and produced.benchmark.to_json(),
@@ -648,7 +652,7 @@ def _localize(
     # (exporter/job/worker.py).
     work_dir = Path(tempfile.mkdtemp(dir=run_dir, prefix=f"{PARTIAL_PREFIX}localize-"))
     try:
-        exported = program.load() if program else _export_now(job, work_dir)
+        exported = program.load() if program else _export_now(job, backend, work_dir)
 
         def lower(part: ExportedProgram, folder: Path) -> Callable[[], Loaded]:
             # The part is in memory only: its path is where a backend that ships the program
@@ -729,11 +733,13 @@ def _replay(
     )
 
 
-def _export_now(job: config.JobConfig, work_dir: Path) -> Exported:
+def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Path) -> Exported:
     """A job that validated a given artifact exported no program: the search exports the
-    model now."""
+    model now, quantized as the job's was."""
     log.info("[localize] exporting the model: the job validated a given artifact")
     bundle = models.build(job.model, job.dynamic)
+    if job.quantize.enabled:
+        bundle = quantize.quantized(bundle, job.quantize, backend.group_scales)
     return export.run(bundle, job.export.on_failure, work_dir)
 
 

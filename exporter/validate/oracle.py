@@ -25,13 +25,17 @@ from exporter.validate import quantized_layers
 
 
 @contextlib.contextmanager
-def float64_weights(module: torch.nn.Module) -> Iterator[None]:
+def float64_weights(module: torch.nn.Module, ties_flipped: bool = False) -> Iterator[None]:
+    """`module` computing in float64 for the length of the block; `ties_flipped`: its quantized
+    layers' activations within a near tie rounded the other way (quantized_layers.py)."""
     undo: list[Callable[[], object]] = []
     try:
         for submodule in module.modules():
             quantized = _quantized_forward(submodule)
             if quantized is not None and "forward" not in vars(submodule):
-                submodule.forward = functools.partial(quantized, submodule)
+                submodule.forward = functools.partial(
+                    quantized, submodule, ties_flipped=ties_flipped
+                )
                 undo.append(functools.partial(delattr, submodule, "forward"))
             elif type(submodule) is torch.nn.Embedding:
                 undo.append(submodule.register_forward_hook(_widen_output).remove)
