@@ -40,7 +40,7 @@ _INT8_MIN, _INT8_MAX = -128, 127
 # the other way: 64 float32 epsilons (7.6e-6). A float32 artifact's activations are off from the
 # oracle's by about eager's relative error, 1e-7 to 1e-6 in the models tried; the scale itself
 # is off by an ulp or two.
-NEAR_TIE = 64 * torch.finfo(torch.float32).eps
+NEAR_TIE = 8 * torch.finfo(torch.float32).eps
 
 
 def is_quantized(weight: torch.Tensor) -> bool:
