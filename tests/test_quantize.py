@@ -197,12 +197,13 @@ def test_fidelity_sees_xnnpacks_bfloat16_scales_against_torchaos_float32_ones(
     on_xnnpack: dict[str, tuple[Path, dict]], tmp_path: Path
 ) -> None:
     pte = on_xnnpack["8da4w"][0] / "model.pte"
-    report = job_with(
-        tmp_path, xnnpack(group_scales=None), "quantize=8da4w", f"artifact={pte}", *TINY
-    )
+    torchaos = xnnpack(group_scales=None)
+    report = job_with(tmp_path, torchaos, "quantize=8da4w", f"artifact={pte}", *TINY)
     assert not report["passed"]
-    # Every shape: a systematic error (the issue measured 8.6e-3 on a 2-layer model), no flip.
-    assert all(not e["passed"] for e in report["executions"])
+    # A systematic error (the issue measured 8.6e-3 on a 2-layer model), not one flip: it fails
+    # at most shapes (where the rounding band holds a flip, it may hide below it).
+    failed = [e for e in report["executions"] if not e["passed"]]
+    assert len(failed) > len(report["executions"]) / 2
 
 
 @pytest.mark.slow
