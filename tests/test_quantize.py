@@ -51,9 +51,13 @@ def test_the_oracles_activation_rounding_is_torchaos_per_token_asymmetric_roundi
     ours = quantized_layers.int8_per_token(x.double(), eps)
     # torchao's at float32: the same rounding, so no step apart anywhere (a step is ~1e-2).
     assert (ours - torchao_activation_rounding(x).double()).abs().max() < 1e-6
-    flipped = quantized_layers.int8_per_token(x.double(), eps, ties_flipped=True)
-    moved = int(((flipped - ours).abs() > 1e-9).sum())
-    assert 0 < moved < x.numel() / 100
+    # A token from 0 to 255: scale 1, zero point -128, and 3.5 a tie, which torch.round takes to
+    # 4 (half to even); with ties flipped it goes to 3, and nothing else moves.
+    token = torch.tensor([[0.0, 255.0, 3.5, 7.25, 100.4]], dtype=torch.float64)
+    rounded = quantized_layers.int8_per_token(token, eps)
+    flipped = quantized_layers.int8_per_token(token, eps, ties_flipped=True)
+    assert rounded.tolist() == [[0.0, 255.0, 4.0, 7.0, 100.0]]
+    assert flipped.tolist() == [[0.0, 255.0, 3.0, 7.0, 100.0]]
 
 
 def test_a_quantized_layers_oracle_is_eager_but_for_near_ties_and_leaves_it_as_it_was() -> None:
