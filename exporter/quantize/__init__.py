@@ -50,7 +50,7 @@ class Quantization:
             f"layers, embedding {self.embedding}"
         )
         if self.embedding != EmbeddingQuant.none.value:
-            text += f" ({self.embedding_layers} layers)"
+            text += f" ({self.embedding_layers} layer{'s' * (self.embedding_layers != 1)})"
         if self.skipped:
             text += f", kept in float: {', '.join(self.skipped)}"
         if self.scales_rounded_to:
