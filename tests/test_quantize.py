@@ -142,7 +142,9 @@ def test_the_weight_only_refusal_exits_2_without_a_traceback(tmp_path: Path) -> 
 def job_with(run_dir: Path, backend: backends.ConfiguredBackend, *overrides: str) -> dict:
     """A job of `overrides`, its stages handed `backend` (which its config may refuse at
     compose); report.json, whose "passed" says the verdict."""
-    job = config.to_job(composed(*overrides, "mlflow=off", "benchmark=off", "cache=false"))
+    job = config.to_job(
+        composed("backend=eager", *overrides, "mlflow=off", "benchmark=off", "cache=false")
+    )
     # Set, not replaced: replacing would run the job's checks again, and refuse it.
     job.backend = backend.config
     record, produced = JobRecord(run_dir=run_dir), Produced()
