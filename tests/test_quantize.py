@@ -214,6 +214,11 @@ def test_fidelity_sees_xnnpacks_bfloat16_scales_against_torchaos_float32_ones(
 
 
 @pytest.mark.slow
+@pytest.mark.skip(
+    reason="on the one-layer Llama, int8_weight's lowering to XNNPACK fails (exit 4: no out "
+    "variant of torchao::dequantize_affine outside the delegate) before fidelity can judge it; "
+    "the garbage was measured on one nn.Linear only; needs a model that lowers"
+)
 def test_xnnpacks_weight_only_garbage_fails_fidelity_when_the_refusal_is_bypassed(
     tmp_path: Path,
 ) -> None:
