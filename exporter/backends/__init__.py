@@ -131,6 +131,11 @@ class ConfiguredBackend:
         return self.declaration.half_precision.get(self.dtype)
 
     @property
+    def group_scales(self) -> str | None:
+        """The dtype the backend reads per-group weight scales in, where not the model's."""
+        return self.declaration.group_scales
+
+    @property
     def reference_device(self) -> str:
         """Where eager PyTorch runs to measure the error the reference rule scales."""
         return self.declaration.reference_device(self.config)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
 from exporter.backends.common.declaration import Backend
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, EmbeddingQuant, FallbackConfig, QuantScheme
 from exporter.errors import ConfigError
 from exporter.files import atomic_path
 from exporter.process import progress
@@ -32,6 +32,10 @@ class AotiConfig(BackendConfig):
     """`device=cuda` compiles Triton kernels for the GPU this machine has."""
 
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # torchao's quantized layers run as PyTorch computes them (Inductor compiles the
+    # dequantization into its kernels).
+    quant_schemes: ClassVar[tuple[QuantScheme, ...]] = tuple(QuantScheme)
+    embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = tuple(EmbeddingQuant)
 
     name: str = "aoti"
     atol: float = 1.0e-4

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from exporter.audit import readers
 from exporter.backends.common.artifact import Artifact, Output
 from exporter.backends.common.declaration import Backend
-from exporter.config import BackendConfig, FallbackConfig
+from exporter.config import BackendConfig, EmbeddingQuant, FallbackConfig, QuantScheme
 
 if TYPE_CHECKING:
     from exporter.export import Exported
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class EagerConfig(BackendConfig):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # torchao's quantized layers run as PyTorch computes them.
+    quant_schemes: ClassVar[tuple[QuantScheme, ...]] = tuple(QuantScheme)
+    embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = tuple(EmbeddingQuant)
 
     name: str = "eager"
     atol: float = 1.0e-5

@@ -73,6 +73,11 @@ class TensorrtConfig(BackendConfig):
     release; the fallback policy and `dryrun` set the ones in POLICY_SETTINGS."""
 
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    quant_refusal: ClassVar[str] = (
+        "TensorRT quantizes with its own recipes (NVIDIA ModelOpt's Q/DQ nodes), not "
+        "torchao's tensors, and this lowering maps none of torchao's ops: nothing here was "
+        "checked to compute right."
+    )
 
     name: str = "tensorrt"
     atol: float = 1.0e-3

@@ -33,6 +33,7 @@ def model(job: JobConfig) -> dict[str, Any]:
     if job.quantize.enabled:
         quantize = {
             "config": dataclasses.asdict(job.quantize),
+            "group_scales": backends.configured(job).group_scales,
             "code": code_of(["exporter.quantize"]),
         }
     material = {

@@ -215,6 +215,28 @@ class CustomModelConfig(ModelConfig):
     options: dict[str, Any] = field(default_factory=dict)
 
 
+# How the model's linear layers are quantized (`quantize=<scheme>`), with torchao's
+# configurations, the ones ExecuTorch's own LLM export uses, under the names users know them by
+# (ExecuTorch's `--qlinear`), which are no Python identifiers: `QuantScheme("8da4w")`.
+#   8da4w        int8 activations quantized per token as the layer runs, int4 weights per group
+#   8da8w        int8 activations per token, int8 weights per output channel
+#   int8_weight  weights only (activations stay floating), int8 per output channel
+#   int4_weight  weights only, int4 per group
+QuantScheme = Enum(
+    "QuantScheme",
+    [(name, name) for name in ("none", "8da4w", "8da8w", "int8_weight", "int4_weight")],
+)
+
+
+class EmbeddingQuant(Enum):
+    """How the token embedding's table is quantized (`quantize.embedding`): weight-only, per
+    group of `quantize.group_size` for int4, per row for int8."""
+
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+
+
 @dataclass
 class BackendConfig:
     """What every backend has; each backend module subclasses it with its own defaults and
@@ -227,6 +249,13 @@ class BackendConfig:
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     # The model dtypes (`model.dtype`) its artifacts compute in.
     dtypes: ClassVar[tuple[ModelDtype, ...]] = tuple(ModelDtype)
+    # The quantization schemes (`quantize=`) and embedding quantizations (`quantize.embedding`)
+    # its artifacts compute right: float only unless the backend says, since a lowering can
+    # take a quantized pattern without an error and compute garbage (docs/quantization.md).
+    quant_schemes: ClassVar[tuple[QuantScheme, ...]] = (QuantScheme.none,)
+    embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = (EmbeddingQuant.none,)
+    # Why it runs no other: what the refusal of another quotes.
+    quant_refusal: ClassVar[str] = ""
 
     name: str = MISSING
     atol: float = MISSING
@@ -478,28 +507,6 @@ class BenchmarkConfig:
             )
 
 
-# How the model's linear layers are quantized (`quantize=<scheme>`), with torchao's
-# configurations, the ones ExecuTorch's own LLM export uses, under the names users know them by
-# (ExecuTorch's `--qlinear`), which are no Python identifiers: `QuantScheme("8da4w")`.
-#   8da4w        int8 activations quantized per token as the layer runs, int4 weights per group
-#   8da8w        int8 activations per token, int8 weights per output channel
-#   int8_weight  weights only (activations stay floating), int8 per output channel
-#   int4_weight  weights only, int4 per group
-QuantScheme = Enum(
-    "QuantScheme",
-    [(name, name) for name in ("none", "8da4w", "8da8w", "int8_weight", "int4_weight")],
-)
-
-
-class EmbeddingQuant(Enum):
-    """How the token embedding's table is quantized (`quantize.embedding`): weight-only, per
-    group of `quantize.group_size` for int4, per row for int8."""
-
-    none = "none"
-    int8 = "int8"
-    int4 = "int4"
-
-
 @dataclass
 class QuantizeConfig:
     """Quantization of the model before export, and how much quality it may cost.
@@ -581,6 +588,7 @@ class JobConfig:
                 f"model.dtype={self.model.dtype.value}: backend={self.backend.name} computes in "
                 f"{allowed} only (allowed values of model.dtype with this backend)."
             )
+        self._check_quantize()
         modes = {bounds.mode for bounds in self.dynamic.values() if bounds.min < bounds.max}
         if len(modes) > 1:
             # torch 2.14 has no spec for both: ShapesSpec makes every dim it names unbacked,
@@ -645,6 +653,20 @@ class JobConfig:
         if self.artifact is not None and not Path(self.artifact).is_file():
             raise ConfigError(f"artifact={self.artifact}: no such file.")
         self._check_cache()
+
+    def _check_quantize(self) -> None:
+        """The quantization asked for must be one the backend computes right."""
+        backend, quantize = self.backend, self.quantize
+        for key, choice, allowed in (
+            ("quantize", quantize.scheme, backend.quant_schemes),
+            ("quantize.embedding", quantize.embedding, backend.embedding_quants),
+        ):
+            if choice not in allowed:
+                names = ", ".join(option.value for option in allowed)
+                raise ConfigError(
+                    f"{key}={choice.value}: backend={backend.name} runs {key}={names} only "
+                    f"(allowed values of {key} with this backend). {backend.quant_refusal}"
+                )
 
     def _check_cache(self) -> None:
         """A prefill must fit the cache: the seq bound at most `model.max_cache_len`."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from exporter.export import Diagnosis
     from exporter.localize import Localization
     from exporter.localize.repair import Repair
+    from exporter.quantize import Quantization
     from exporter.validate import Report
     from runtimes.formats.bundle import Bundle
 
@@ -43,6 +44,9 @@ class Produced:
     weight_bytes: int | None = None
     # Why torch.export failed: the job's error, or with export.on_failure=draft, its warning.
     diagnosis: Diagnosis | None = None
+    # What the quantize stage made of the model (None: float); the verdict then judges the
+    # artifact against the quantized model (fidelity).
+    quantization: Quantization | None = None
     cache: CacheUse = field(default_factory=CacheUse)
     artifact: Artifact | None = None
     bundle: Bundle | None = None

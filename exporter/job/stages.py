@@ -212,7 +212,10 @@ class _Sequence:
             from exporter import quantize
 
             with self.timed("quantize"):
-                bundle = quantize.quantized(bundle, job.quantize)
+                scales = self.backend.group_scales
+                bundle = quantize.quantized(bundle, job.quantize, scales)
+                produced.quantization = quantize.summary(bundle.module, job.quantize, scales)
+                log.info("[quantize] %s", produced.quantization.line())
         program = None
         if not job.artifact:
             with self.timed("export"):
@@ -607,6 +610,7 @@ def _write_report(run_dir: Path, produced: Produced) -> None:
 def _report_payload(produced: Produced) -> dict[str, Any]:
     assert produced.report is not None
     sections = {
+        "quantization": produced.quantization and produced.quantization.to_json(),
         "weights_audit": produced.weights_audit and produced.weights_audit.to_json(),
         "first_divergence": produced.localization and produced.localization.to_json(),
         "benchmark": produced.benchmark and produced.benchmark.to_json(),
@@ -734,9 +738,13 @@ def _replay(
 
 def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Path) -> Exported:
     """A job that validated a given artifact exported no program: the search exports the
-    model now, as the backend's job would."""
+    model now, quantized as the job's was, as the backend's job would."""
     log.info("[localize] exporting the model: the job validated a given artifact")
     bundle = models.build(job.model, job.dynamic, backend.llm_ops)
+    if job.quantize.enabled:
+        from exporter import quantize
+
+        bundle = quantize.quantized(bundle, job.quantize, backend.group_scales)
     return export.run(bundle, job.export.on_failure, work_dir)
 
 

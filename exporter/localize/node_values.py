@@ -6,6 +6,10 @@ The float64 run widens each weight only for the op that reads it, and runs with 
 dtype an op names (a cast, a factory's dtype) read as float64: the exported graph spells the
 model's dtype out, where the model's code, run in float64 for the goldens, followed its input.
 
+A quantized model's program calls torchao's quantize ops on its weights' integers, scales and
+zero points; the float64 run calls their float64 arithmetic instead
+(exporter/quantize/float64_ops.py).
+
 Both runs stop at the last node asked for: a cut near the front of a 1B model is judged without
 running the rest of it twice.
 
@@ -25,6 +29,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
+
+from exporter.quantize import float64_ops
 
 Inputs = Sequence[torch.Tensor]
 
@@ -136,6 +142,9 @@ class _Widened(torch.fx.Interpreter):
 
 def _call_widened(target: Any, args: Any, kwargs: Any) -> Any:
     args, kwargs = pytree.tree_map(_widened, (args, kwargs))
+    quantize_op = float64_ops.float64_op(target)
+    if quantize_op is not None:
+        return quantize_op(*args, **kwargs)
     bodies = [i for i, arg in enumerate(args) if isinstance(arg, torch.fx.GraphModule)]
     if bodies:
         # wrap_with_autocast(..., body, *inputs), wrap_with_set_grad_enabled(mode, body, *inputs)
@@ -154,8 +163,16 @@ def _float64_kernel(target: Any) -> Any:
 
 
 def _widened(value: Any) -> Any:
+    if _is_subclass(value):
+        # A quantized weight: the graph reads its integers, scales and zero points from it,
+        # which are widened where an op takes them.
+        return value
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(torch.float64)
     if isinstance(value, torch.dtype) and value.is_floating_point:
         return torch.float64
     return value
+
+
+def _is_subclass(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter)

@@ -7,6 +7,10 @@ model is unchanged afterwards. The largest modules of a language model are the t
 and the output projection (a 1B model's are 0.5 GB in bfloat16, 2 GB in float64): an embedding
 looks its rows up at the model's dtype and widens them, which is exact, and a linear layer
 widens a slice of its output rows at a time.
+
+A layer quantized by the quantize stage (torchao's quantized weight) computes its own arithmetic
+in float64 instead: its stored integers, scales and zero points widened, and its activations
+quantized as torchao does (exporter/validate/quantized_layers.py).
 """
 
 from __future__ import annotations
@@ -17,13 +21,23 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from exporter.validate import quantized_layers
+
 
 @contextlib.contextmanager
-def float64_weights(module: torch.nn.Module) -> Iterator[None]:
+def float64_weights(module: torch.nn.Module, ties_flipped: bool = False) -> Iterator[None]:
+    """`module` computing in float64 for the length of the block; `ties_flipped`: its quantized
+    layers' activations within a near tie rounded the other way (quantized_layers.py)."""
     undo: list[Callable[[], object]] = []
     try:
         for submodule in module.modules():
-            if type(submodule) is torch.nn.Embedding:
+            quantized = _quantized_forward(submodule)
+            if quantized is not None and "forward" not in vars(submodule):
+                submodule.forward = functools.partial(
+                    quantized, submodule, ties_flipped=ties_flipped
+                )
+                undo.append(functools.partial(delattr, submodule, "forward"))
+            elif type(submodule) is torch.nn.Embedding:
                 undo.append(submodule.register_forward_hook(_widen_output).remove)
             elif type(submodule) is torch.nn.Linear and "forward" not in vars(submodule):
                 # An instance attribute shadows the class's forward for this module only.
@@ -38,6 +52,19 @@ def float64_weights(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for step in undo:
             step()
+
+
+def _quantized_forward(module: torch.nn.Module) -> Callable | None:
+    """The float64 forward of a linear or embedding layer whose weight is quantized; None for
+    any other module."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not quantized_layers.is_quantized(weight):
+        return None
+    if type(module) is torch.nn.Linear:
+        return quantized_layers.linear
+    if type(module) is torch.nn.Embedding:
+        return quantized_layers.embedding
+    return None
 
 
 def _own_floating(module: torch.nn.Module) -> list[tuple[dict, str]]:
@@ -85,14 +112,10 @@ def _widen_output(module: torch.nn.Module, args: object, output: torch.Tensor) -
     return output.to(torch.float64)
 
 
-# The float64 slice of a linear layer's weight widened at once: 128 MB.
-_SLICE_ELEMENTS = 1 << 24
-
-
 def _linear_in_slices(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer in float64, its weight widened a slice of output rows at a time."""
     x = x.to(torch.float64)
-    rows = max(1, _SLICE_ELEMENTS // module.in_features)
+    rows = max(1, quantized_layers.SLICE_ELEMENTS // module.in_features)
     slices = []
     for start in range(0, module.out_features, rows):
         weight = module.weight[start : start + rows].to(torch.float64)

@@ -3,9 +3,10 @@ the defaults most backends share.
 
 Its data: the config schema (whose `name` default is the backend's name, and whose `devices`
 are where its artifact runs), the runtime of runtimes/loaders/ that loads its artifact, its
-delegate's id in partition reports, the weights audit's reader of its artifact, and what it is
-known to lose at half dtypes. Its behaviour: the methods below, which a backend overrides where
-it differs from the defaults (`output` and `lower` it always writes).
+delegate's id in partition reports, the weights audit's reader of its artifact, what it is
+known to lose at half dtypes, and the dtype it keeps quantized weights' per-group scales in.
+Its behaviour: the methods below, which a backend overrides where it differs from the defaults
+(`output` and `lower` it always writes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Backend:
     # By model dtype, a measured statement of where its artifacts lose precision that eager at
     # that dtype does not, which a failed validation at that dtype quotes.
     half_precision: Mapping[str, str] = field(default_factory=dict)
+    # The dtype (a torch dtype's name) its kernels read per-group weight scales in where that
+    # is not the model's: the quantize stage rounds them so, and the quantized model is then
+    # what the artifact computes. None: the model's own.
+    group_scales: str | None = None
 
     @property
     def name(self) -> str:

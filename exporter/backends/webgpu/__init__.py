@@ -31,6 +31,10 @@ class WebgpuConfig(BackendConfig):
     devices: ClassVar[tuple[str, ...]] = ("auto", "gpu", "cpu")
     # The runtime's WGSL kernels compute in f32.
     dtypes: ClassVar[tuple[ModelDtype, ...]] = (ModelDtype.float32,)
+    quant_refusal: ClassVar[str] = (
+        "Its WGSL kernels are float32 ones, with none for torchao's quantize and dequantize "
+        "ops or an integer matrix product."
+    )
 
     name: str = "webgpu"
     atol: float = 1.0e-4
