@@ -13,8 +13,10 @@ A constant is tied to a parameter three ways, strongest first:
 
 A form is the parameter as a backend may store it: as is, cast (float32 for a half-precision
 weight XNNPACK computes in float32, int32 for an int64 one Vulkan downcasts), transposed (2-D),
-or channels-last (a 4-D convolution weight XNNPACK stores NHWC). Every comparison is exact: each
-form is a cast that rounds nothing a backend did not round itself, or a permutation.
+or channels-last (a 4-D convolution weight XNNPACK stores NHWC). A quantized weight is matched
+as its parts (exporter/audit/quantized.py), whose forms are their own: int4 values packed two
+per byte, scales rounded to bfloat16 (XNNPACK's per-group scales). Every comparison is exact:
+each form is a cast that rounds nothing a backend did not round itself, or a permutation.
 
 What is left then, parameters that no constant holds and unnamed constants that hold no
 parameter, is paired by dtype and shape (under one of the parameter's forms), and only where
@@ -129,7 +131,8 @@ def _packed_int4(values: torch.Tensor) -> torch.Tensor:
     byte, the even column in the low nibble; an odd row padded with a 0 value."""
     if values.shape[1] % 2:
         values = torch.nn.functional.pad(values, (0, 1))
-    offset = (values.to(torch.int16) + 8).to(torch.uint8)
+    # In int8: values in -8..7 plus 8 stay in range, and a 1B model's head is no wider copy.
+    offset = (values + 8).view(torch.uint8)
     return (offset[:, 1::2] << 4 | offset[:, 0::2]).contiguous()
 
 
@@ -195,8 +198,9 @@ def audit_constants(
     delegate: str | None = None,
 ) -> Matched:
     """Ties `constants` to `weights` (a quantized weight: to its parts) and compares them; a
-    weight or part no constant holds is unseen, `why_unseen(name, tensor)` says why. Where
-    `delegate` stores no zero points, a quantized weight's are checked as 0."""
+    weight or part no constant holds is unseen, `why_unseen(name, tensor)` says why.
+    `delegate`: the delegate whose named data holds quantized values without zero points (its
+    kernels take 0), where a quantized weight's zero points are then checked as 0."""
     constants = list(constants)
     tensors, parts = quantized.unpacked(weights)
     stored_names = {part.stored_name: name for name, part in parts.items()}
@@ -204,6 +208,8 @@ def audit_constants(
     mismatched: dict[str, Mismatch] = {}
     corrupted: list[Corrupted] = []
     hashes = _FormHashes(tensors, parts, constants)
+    # Tied to a constant of a delegate's named data (by its key).
+    keyed: set[str] = set()
 
     unexplained: list[Constant] = []
     for constant in constants:
@@ -215,6 +221,7 @@ def audit_constants(
         if constant.key is not None and content != constant.key:
             holders = hashes.holders(constant.key, constant)
             for held, form in holders:
+                keyed.add(held)
                 mismatched.setdefault(
                     held,
                     _compared(held, tensors[held], form, constant, "key", parts.get(held)),
@@ -225,6 +232,8 @@ def audit_constants(
         holders = hashes.holders(content, constant)
         for held, form in holders:
             checked.setdefault(held, _checked(held, constant, form, tensors[held]))
+            if constant.key is not None:
+                keyed.add(held)
         # A constant under its intact key that is no parameter's is the backend's own (a
         # mask, a folded value); only an unkeyed one may be a parameter whose bytes changed.
         if not holders and constant.key is None and _numel(constant) > 1:
@@ -238,7 +247,8 @@ def audit_constants(
             name, tensors[name], form, constant, paired_by, parts.get(name)
         )
     if delegate is not None:
-        implied = quantized.implied_zero_points(parts, tensors, checked, mismatched, delegate)
+        held = checked.keys() | mismatched.keys()
+        implied = quantized.implied_zero_points(parts, tensors, held, keyed, delegate)
         checked.update((c.parameter, c) for c in implied[0])
         mismatched.update((m.parameter, m) for m in implied[1])
     unseen = [

@@ -14,12 +14,12 @@ The artifacts store the parts their own ways, which exporter/audit/matching.py's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from exporter.audit.result import SHOWN, Checked, Mismatch, Unseen
+from exporter.audit.result import SHOWN, Checked, Mismatch
 
 VALUES, SCALE, ZERO_POINT = "qdata", "scale", "zero_point"
 # What a part is, in the audit's report.
@@ -72,9 +72,7 @@ class QuantizedPart:
 def is_quantized(tensor: object) -> bool:
     """Whether the tensor is torchao's quantized weight with values, scales and zero points."""
     names = getattr(type(tensor), "tensor_data_names", ())
-    return isinstance(tensor, torch.Tensor) and all(
-        p in names for p in (VALUES, SCALE, ZERO_POINT)
-    )
+    return isinstance(tensor, torch.Tensor) and all(p in names for p in (VALUES, SCALE, ZERO_POINT))
 
 
 def unpacked(
@@ -105,19 +103,17 @@ def unpacked(
 def implied_zero_points(
     parts: Mapping[str, QuantizedPart],
     tensors: Mapping[str, torch.Tensor],
-    checked: Mapping[str, Checked],
-    mismatched: Mapping[str, Mismatch],
+    held: Collection[str],
+    keyed: Collection[str],
     delegate: str,
 ) -> tuple[list[Checked], list[Mismatch]]:
-    """A delegate stores no zero point (XNNPACK's quantized kernels take 0): a weight whose
-    values it holds and whose zero points no constant does is checked as 0 in every group."""
+    """XNNPACK stores no zero point (its quantized kernels take 0): a weight whose values its
+    named data holds (`keyed`) and whose zero points no constant holds (not `held`) is checked
+    as 0 in every group; a group whose zero point is not 0 computes otherwise there."""
     found_checked, found_mismatched = [], []
     where = f"{delegate}'s format (it stores no zero point: its kernels take 0)"
     for name, part in parts.items():
-        if part.part != ZERO_POINT or name in checked or name in mismatched:
-            continue
-        values = checked.get(f"{part.weight}.{VALUES}") or mismatched.get(f"{part.weight}.{VALUES}")
-        if values is None or "named data" not in values.where:
+        if part.part != ZERO_POINT or name in held or f"{part.weight}.{VALUES}" not in keyed:
             continue
         zero_point = tensors[name]
         differs = zero_point != 0
@@ -192,8 +188,3 @@ def summary(
         "groups": groups,
         "compared": {part: sorted(ways) for part, ways in how.items()},
     }
-
-
-def unseen_part(name: str, parts: Mapping[str, QuantizedPart], why: str) -> Unseen:
-    """An unseen part, named with what it is."""
-    return Unseen(name, f"{_PART_NAMES[parts[name].part]} of a quantized weight: {why}")

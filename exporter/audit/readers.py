@@ -79,7 +79,9 @@ def pte(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit
         f"{keyed} of {delegate}'s named data keyed by the SHA-256 of their bytes, {named} by "
         "name" + (f" in {data_path.name}" if data_path is not None and has_data else "")
     )
-    return _audited(runtime, read, constants, weights, why_unseen, delegate)
+    # XNNPACK's quantized weights hold no zero point; what Vulkan's would is not read here.
+    no_zero_points = delegate if delegate == "XNNPACK" else None
+    return _audited(runtime, read, constants, weights, why_unseen, no_zero_points)
 
 
 def aoti_package(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
@@ -133,12 +135,12 @@ def _audited(
     constants: list[Constant],
     weights: Mapping[str, torch.Tensor],
     why_unseen: Callable[[str, torch.Tensor], str],
-    delegate: str | None = None,
+    no_zero_points: str | None = None,
 ) -> WeightsAudit:
     from exporter.audit.matching import audit_constants
     from exporter.audit.quantized import summary
 
-    found = audit_constants(constants, weights, why_unseen, delegate)
+    found = audit_constants(constants, weights, why_unseen, no_zero_points)
     return WeightsAudit(
         runtime=runtime,
         read=read,

@@ -190,9 +190,19 @@ def _shown(names: Sequence[str]) -> str:
 
 def _quantized_line(found: dict[str, Any]) -> str:
     """How many quantized weights (and groups) were checked whole, and how each part was
-    compared (the precision a backend's format stores it at)."""
-    compared = "; ".join(f"{part} {', '.join(ways)}" for part, ways in found["compared"].items())
+    compared: bit for bit, in the form (and at the precision) the artifact stores it."""
+    compared = "; ".join(
+        f"{part} {', '.join(_precision(way) for way in ways)}"
+        for part, ways in found["compared"].items()
+    )
     return (
         f"{found['checked']} of {found['weights']} quantized weights checked in values, scales "
-        f"and zero points ({found['groups']} groups)" + (f": {compared}" if compared else "")
+        f"and zero points ({found['groups']} groups), bit for bit as the artifact stores them"
+        + (f": {compared}" if compared else "")
     )
+
+
+def _precision(way: str) -> str:
+    if way.startswith("rounded to"):
+        return f"{way} (the format's precision: the model's rounded alike, then compared)"
+    return way
