@@ -195,12 +195,12 @@ def audit_constants(
     constants: Iterable[Constant],
     weights: Mapping[str, torch.Tensor],
     why_unseen: Callable[[str, torch.Tensor], str],
-    delegate: str | None = None,
+    no_zero_points: str | None = None,
 ) -> Matched:
     """Ties `constants` to `weights` (a quantized weight: to its parts) and compares them; a
     weight or part no constant holds is unseen, `why_unseen(name, tensor)` says why.
-    `delegate`: the delegate whose named data holds quantized values without zero points (its
-    kernels take 0), where a quantized weight's zero points are then checked as 0."""
+    `no_zero_points`: the delegate whose named data holds quantized values without zero points
+    (its kernels take 0), where a quantized weight's zero points are then checked as 0."""
     constants = list(constants)
     tensors, parts = quantized.unpacked(weights)
     stored_names = {part.stored_name: name for name, part in parts.items()}
@@ -246,9 +246,9 @@ def audit_constants(
         mismatched[name] = _compared(
             name, tensors[name], form, constant, paired_by, parts.get(name)
         )
-    if delegate is not None:
+    if no_zero_points is not None:
         held = checked.keys() | mismatched.keys()
-        implied = quantized.implied_zero_points(parts, tensors, held, keyed, delegate)
+        implied = quantized.implied_zero_points(parts, tensors, held, keyed, no_zero_points)
         checked.update((c.parameter, c) for c in implied[0])
         mismatched.update((m.parameter, m) for m in implied[1])
     unseen = [

@@ -7,9 +7,9 @@ The artifacts store the parts their own ways, which exporter/audit/matching.py's
 - AOTInductor stores each part under torch's parametrization name
   (`<module>.parametrizations.<attribute>.original<i>`, `i` the part's place in the subclass);
 - XNNPACK keys int4 values packed two per byte (offset by 8, the even column in the low
-  nibble) or int8 values as they are by the SHA-256 of their bytes, and a per-group (int4) weight's
-  scales rounded to bfloat16 (float32 per channel) under "scale_" and theirs; it stores no zero
-  point: its kernels take 0, so the model's must be 0 (`implied_zero_points`).
+  nibble), or int8 values as they are, by the SHA-256 of their bytes; scales by "scale_" and the
+  SHA-256 of theirs, rounded to bfloat16 for per-group (int4) weights, float32 per channel. It
+  stores no zero point: its kernels take 0, so the model's must be 0 (`implied_zero_points`).
 """
 
 from __future__ import annotations
