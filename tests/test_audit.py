@@ -54,6 +54,12 @@ def tokens_validation_draws(*overrides: str) -> set[int]:
     return {int(token) for inputs, _outputs in cases.values() for token in inputs[0].flatten()}
 
 
+def exported_program_beside(artifact: Artifact) -> Artifact:
+    """The exported program the artifact was lowered from, as the eager backend's artifact."""
+    program = artifact.path.parent / export.PROGRAM_FILE
+    return replace(artifact, path=program, runtime="eager", audit=readers.exported_program)
+
+
 def audited(weights: Weights, artifact: Artifact, path: Path | None = None) -> WeightsAudit:
     return audit(replace(artifact, path=path) if path else artifact, weights)
 
@@ -245,9 +251,7 @@ def test_the_eager_programs_weights_are_checked_by_name(
     llama: tuple[Weights, Artifact],
 ) -> None:
     weights, artifact = llama
-    program = artifact.path.parent / export.PROGRAM_FILE
-    eager = replace(artifact, path=program, runtime="eager", audit=readers.exported_program)
-    result = audit(eager, weights)
+    result = audit(exported_program_beside(artifact), weights)
     assert len(result.checked) == 14 and result.passed
 
 

@@ -11,6 +11,9 @@ artifact's weights (carried by the artifact as `Artifact.audit`):
 - `exported_program` (torch.export .pt2): the program's state dict and constants by name.
 - `tensorrt_engine`: nothing; every parameter is reported unseen with why (`TENSORRT_UNSEEN`).
 
+A quantized weight (torchao's tensor) is checked as its values, scales and zero points, in the
+forms each format stores them, and a mismatch is named by weight and group
+(exporter/audit/quantized.py).
 A parameter the audit cannot find is unseen, with why, and does not fail the audit; a
 parameter whose constant differs does (exporter/audit/matching.py says how they are tied).
 Buffers the program writes as it runs (a KV cache's keys, values and fill counters) are state,

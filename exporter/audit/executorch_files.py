@@ -5,7 +5,8 @@ them: the files are mapped, and each constant is a view of the mapping.
   constant segment (unnamed), or with external weights in the .ptd under their fully qualified
   names.
 - Named data, in the .pte or the .ptd: XNNPACK and Vulkan store each constant they serialize
-  under the SHA-256 (hex) of its bytes; a .ptd also holds the program's constants by name.
+  under the SHA-256 (hex) of its bytes (XNNPACK a quantized weight's scales under "scale_" and
+  that); a .ptd also holds the program's constants by name.
 - A Vulkan (WebGPU) delegate's payload: constants in its own bytes, with their dtype and dims.
 
 Field indices follow executorch's exir/_serialize/program.fbs ("ET12"),
@@ -36,7 +37,8 @@ _TENSOR = 5  # KernelTypes union member
 _EXTERNAL = 1  # TensorDataLocation
 _SEGMENT = 1  # DataLocation
 _VULKAN = "VulkanBackend"
-_SHA256_KEY = re.compile(r"[0-9a-f]{64}")
+# XNNPACK keys a quantized weight's scales by "scale_" and the SHA-256 of their bytes.
+_SHA256_KEY = re.compile(r"(?:scale_)?([0-9a-f]{64})")
 _VULKAN_DTYPES = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -152,11 +154,11 @@ def _tensor_constant(
 
 def _named_data(named: dict[str, memoryview], where: str) -> Iterator[Constant]:
     for key, blob in named.items():
-        keyed = bool(_SHA256_KEY.fullmatch(key))
+        keyed = _SHA256_KEY.fullmatch(key)
         yield Constant(
-            where=f"{where} {key[:12]}…" if keyed else f"{where} {key!r}",
+            where=f"{where} {key[: 12 + key.index(keyed[1])]}…" if keyed else f"{where} {key!r}",
             data=blob,
-            key=key if keyed else None,
+            key=keyed[1] if keyed else None,
             name=None if keyed else key,
         )
 

@@ -13,8 +13,10 @@ A constant is tied to a parameter three ways, strongest first:
 
 A form is the parameter as a backend may store it: as is, cast (float32 for a half-precision
 weight XNNPACK computes in float32, int32 for an int64 one Vulkan downcasts), transposed (2-D),
-or channels-last (a 4-D convolution weight XNNPACK stores NHWC). Every comparison is exact: each
-form is a cast that rounds nothing a backend did not round itself, or a permutation.
+or channels-last (a 4-D convolution weight XNNPACK stores NHWC). A quantized weight is matched
+as its parts (exporter/audit/quantized.py), whose forms are their own: int4 values packed two
+per byte, scales rounded to bfloat16 (XNNPACK's per-group scales). Every comparison is exact:
+each form is a cast that rounds nothing a backend did not round itself, or a permutation.
 
 What is left then, parameters that no constant holds and unnamed constants that hold no
 parameter, is paired by dtype and shape (under one of the parameter's forms), and only where
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from exporter.audit import quantized
+from exporter.audit.quantized import SCALE, VALUES, QuantizedPart
 from exporter.audit.result import SHOWN, Checked, Corrupted, Mismatch, Unseen
 
 # A constant an unexplained one is paired with by agreement must agree on more than this.
@@ -59,15 +63,21 @@ class Constant:
 
 @dataclass(frozen=True)
 class Form:
-    """The parameter as a backend may store it: cast to `dtype`, its dims permuted."""
+    """The parameter as a backend may store it: cast to `dtype`, its dims permuted, or (int4
+    values of a quantized weight) packed two per byte as XNNPACK packs them."""
 
     dtype: torch.dtype
     permutation: tuple[int, ...] | None
+    packed: bool = False
 
     def describe(self, parameter: torch.Tensor) -> str:
         """The transformation, e.g. "float32 cast, transpose"; empty for the parameter as is."""
         steps = []
-        if self.dtype != parameter.dtype:
+        if self.packed:
+            steps.append("int4 packed two per byte, offset by 8")
+        elif self.dtype != parameter.dtype and _rounds(parameter.dtype, self.dtype):
+            steps.append(f"rounded to {str(self.dtype).removeprefix('torch.')}")
+        elif self.dtype != parameter.dtype:
             steps.append(f"{str(self.dtype).removeprefix('torch.')} cast")
         if self.permutation == (1, 0):
             steps.append("transpose")
@@ -76,20 +86,67 @@ class Form:
         return ", ".join(steps)
 
     def apply(self, parameter: torch.Tensor) -> torch.Tensor:
-        value = parameter.detach().cpu().to(self.dtype)
+        value = parameter.detach().cpu()
+        if self.packed:
+            return _packed_int4(value)
+        value = value.to(self.dtype)
         if self.permutation is not None:
             value = value.permute(self.permutation)
         return value.contiguous()
 
+    def unstored(self, stored: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+        """The stored tensor (of this form's shape) back in the parameter's layout, in this
+        form's dtype (unpacked values in the parameter's)."""
+        if self.packed:
+            low, high = (stored & 0xF).to(torch.int8) - 8, (stored >> 4).to(torch.int8) - 8
+            return torch.stack((low, high), dim=-1).reshape(stored.shape[0], -1)[
+                :, : parameter.shape[1]
+            ]
+        if self.permutation is None:
+            return stored
+        inverse = tuple(sorted(range(len(self.permutation)), key=self.permutation.__getitem__))
+        return stored.permute(inverse)
+
+    def cast(self, parameter: torch.Tensor) -> torch.Tensor:
+        """The parameter in its own layout, in the dtype `unstored` gives."""
+        value = parameter.detach().cpu()
+        return value if self.packed else value.to(self.dtype)
+
     def shape(self, parameter: torch.Tensor) -> tuple[int, ...]:
         dims = tuple(parameter.shape)
+        if self.packed:
+            return dims[0], (dims[1] + 1) // 2
         return tuple(dims[d] for d in self.permutation) if self.permutation else dims
 
     def nbytes(self, parameter: torch.Tensor) -> int:
-        return parameter.numel() * self.dtype.itemsize
+        return math.prod(self.shape(parameter)) * self.dtype.itemsize
 
 
-def forms(parameter: torch.Tensor) -> list[Form]:
+def _rounds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    return wide.is_floating_point and narrow.is_floating_point and narrow.itemsize < wide.itemsize
+
+
+def _packed_int4(values: torch.Tensor) -> torch.Tensor:
+    """int4 values (in int8) packed as XNNPACK stores them: offset by 8 into 0..15, two per
+    byte, the even column in the low nibble; an odd row padded with a 0 value."""
+    if values.shape[1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    # In int8: values in -8..7 plus 8 stay in range, and a 1B model's head is no wider copy.
+    offset = (values + 8).view(torch.uint8)
+    return (offset[:, 1::2] << 4 | offset[:, 0::2]).contiguous()
+
+
+def forms(parameter: torch.Tensor, part: QuantizedPart | None = None) -> list[Form]:
+    """The forms a backend may store the parameter in; a quantized weight's part has its own:
+    int4 values as they are or packed, scales as they are or rounded to bfloat16 (XNNPACK's
+    per-group scales), zero points as they are."""
+    if part is not None:
+        found = [Form(parameter.dtype, None)]
+        if part.part == VALUES and part.bits == 4:
+            found.append(Form(torch.uint8, None, packed=True))
+        if part.part == SCALE and parameter.dtype != torch.bfloat16:
+            found.append(Form(torch.bfloat16, None))
+        return found
     dtypes = [parameter.dtype]
     if parameter.is_floating_point() and parameter.dtype != torch.float32:
         dtypes.append(torch.float32)
@@ -122,35 +179,61 @@ def sha256(data: bytes | memoryview | torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Matched:
+    """What tying an artifact's constants to the weights found, and the quantized weights' parts
+    (by the part's name) that the weights were checked as."""
+
+    checked: list[Checked]
+    mismatched: list[Mismatch]
+    unseen: list[Unseen]
+    corrupted: list[Corrupted]
+    parts: dict[str, QuantizedPart]
+
+
 def audit_constants(
     constants: Iterable[Constant],
     weights: Mapping[str, torch.Tensor],
-    why_unseen: Callable[[str], str],
-) -> tuple[list[Checked], list[Mismatch], list[Unseen], list[Corrupted]]:
-    """Ties `constants` to `weights` and compares them; a parameter no constant holds is
-    unseen, `why_unseen(name)` says why."""
+    why_unseen: Callable[[str, torch.Tensor], str],
+    no_zero_points: str | None = None,
+) -> Matched:
+    """Ties `constants` to `weights` (a quantized weight: to its parts) and compares them; a
+    weight or part no constant holds is unseen, `why_unseen(name, tensor)` says why.
+    `no_zero_points`: the delegate whose named data holds quantized values without zero points
+    (its kernels take 0), where a quantized weight's zero points are then checked as 0."""
     constants = list(constants)
+    tensors, parts = quantized.unpacked(weights)
+    stored_names = {part.stored_name: name for name, part in parts.items()}
     checked: dict[str, Checked] = {}
     mismatched: dict[str, Mismatch] = {}
     corrupted: list[Corrupted] = []
-    hashes = _FormHashes(weights, constants)
+    hashes = _FormHashes(tensors, parts, constants)
+    # Tied to a constant of a delegate's named data (by its key).
+    keyed: set[str] = set()
 
     unexplained: list[Constant] = []
     for constant in constants:
-        if constant.name is not None and constant.name in weights:
-            _compare_named(constant, weights[constant.name], checked, mismatched)
+        name = stored_names.get(constant.name or "", constant.name)
+        if name is not None and name in tensors:
+            _compare_named(name, constant, tensors[name], parts.get(name), checked, mismatched)
             continue
         content = sha256(constant.data)
         if constant.key is not None and content != constant.key:
             holders = hashes.holders(constant.key, constant)
-            for name, form in holders:
-                mismatched.setdefault(name, _compared(name, weights[name], form, constant, "key"))
+            for held, form in holders:
+                keyed.add(held)
+                mismatched.setdefault(
+                    held,
+                    _compared(held, tensors[held], form, constant, "key", parts.get(held)),
+                )
             if not holders:
                 corrupted.append(Corrupted(constant.where, constant.nbytes))
             continue
         holders = hashes.holders(content, constant)
-        for name, form in holders:
-            checked.setdefault(name, _checked(name, constant, form, weights[name]))
+        for held, form in holders:
+            checked.setdefault(held, _checked(held, constant, form, tensors[held]))
+            if constant.key is not None:
+                keyed.add(held)
         # A constant under its intact key that is no parameter's is the backend's own (a
         # mask, a folded value); only an unkeyed one may be a parameter whose bytes changed.
         if not holders and constant.key is None and _numel(constant) > 1:
@@ -158,11 +241,22 @@ def audit_constants(
 
     for name in checked.keys() & mismatched.keys():
         del checked[name]
-    missing = [n for n in weights if n not in checked and n not in mismatched]
-    for name, constant, form, paired_by in _paired(missing, unexplained, weights):
-        mismatched[name] = _compared(name, weights[name], form, constant, paired_by)
-    unseen = [Unseen(n, why_unseen(n)) for n in weights if n not in checked and n not in mismatched]
-    return list(checked.values()), list(mismatched.values()), unseen, corrupted
+    missing = [n for n in tensors if n not in checked and n not in mismatched]
+    for name, constant, form, paired_by in _paired(missing, unexplained, tensors, parts):
+        mismatched[name] = _compared(
+            name, tensors[name], form, constant, paired_by, parts.get(name)
+        )
+    if no_zero_points is not None:
+        held = checked.keys() | mismatched.keys()
+        implied = quantized.implied_zero_points(parts, tensors, held, keyed, no_zero_points)
+        checked.update((c.parameter, c) for c in implied[0])
+        mismatched.update((m.parameter, m) for m in implied[1])
+    unseen = [
+        Unseen(n, why_unseen(n, t))
+        for n, t in tensors.items()
+        if n not in checked and n not in mismatched
+    ]
+    return Matched(list(checked.values()), list(mismatched.values()), unseen, corrupted, parts)
 
 
 def _numel(constant: Constant) -> int:
@@ -173,14 +267,19 @@ class _FormHashes:
     """The SHA-256 of each parameter's forms that some constant could be (same size, dtype and
     shape), computed once: a hash to the (parameter, form) pairs that make it."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], constants: list[Constant]) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        parts: Mapping[str, QuantizedPart],
+        constants: list[Constant],
+    ) -> None:
         self.weights = weights
         by_size: dict[int, list[Constant]] = {}
         for constant in constants:
             by_size.setdefault(constant.nbytes, []).append(constant)
         self.index: dict[str, list[tuple[str, Form]]] = {}
         for name, parameter in weights.items():
-            for form in forms(parameter):
+            for form in forms(parameter, parts.get(name)):
                 candidates = by_size.get(form.nbytes(parameter), ())
                 if any(fits(c, form, parameter) for c in candidates):
                     digest = sha256(form.apply(parameter))
@@ -192,13 +291,14 @@ class _FormHashes:
 
 
 def _compare_named(
+    name: str,
     constant: Constant,
     parameter: torch.Tensor,
+    part: QuantizedPart | None,
     checked: dict[str, Checked],
     mismatched: dict[str, Mismatch],
 ) -> None:
-    name = str(constant.name)
-    fitting = [f for f in forms(parameter) if fits(constant, f, parameter)]
+    fitting = [f for f in forms(parameter, part) if fits(constant, f, parameter)]
     if not fitting:
         mismatched[name] = Mismatch(
             name,
@@ -218,11 +318,14 @@ def _compare_named(
         if sha256(constant.data) == sha256(form.apply(parameter)):
             checked.setdefault(name, _checked(name, constant, form, parameter))
             return
-    mismatched[name] = _compared(name, parameter, fitting[0], constant, "name")
+    mismatched[name] = _compared(name, parameter, fitting[0], constant, "name", part)
 
 
 def _paired(
-    missing: list[str], unexplained: list[Constant], weights: Mapping[str, torch.Tensor]
+    missing: list[str],
+    unexplained: list[Constant],
+    weights: Mapping[str, torch.Tensor],
+    parts: Mapping[str, QuantizedPart],
 ) -> list[tuple[str, Constant, Form, str]]:
     """Pairs parameters no constant holds with unexplained constants of their dtype and shape
     (under one of their forms): in order where a dtype and shape has as many of one as of the
@@ -234,7 +337,7 @@ def _paired(
             groups.setdefault((constant.dtype, tuple(constant.shape)), ([], []))[1].append(constant)
     for name in missing:
         parameter = weights[name]
-        for form in forms(parameter):
+        for form in forms(parameter, parts.get(name)):
             group = groups.get((form.dtype, form.shape(parameter)))
             if group is not None:
                 group[0].append((name, form))
@@ -260,13 +363,14 @@ def _paired(
 
 
 def _decoded(constant: Constant, form: Form, parameter: torch.Tensor) -> torch.Tensor:
-    """The constant's bytes as the form's tensor (a copy: the artifact's mapping is read-only)."""
+    """The constant's bytes in the parameter's layout, in the form's dtype (a copy: the
+    artifact's mapping is read-only)."""
     raw = torch.frombuffer(bytearray(constant.data), dtype=torch.uint8)
-    return raw.view(form.dtype).reshape(form.shape(parameter))
+    return form.unstored(raw.view(form.dtype).reshape(form.shape(parameter)), parameter)
 
 
 def _agreement(parameter: torch.Tensor, form: Form, constant: Constant) -> float:
-    got, want = _decoded(constant, form, parameter), form.apply(parameter)
+    got, want = _decoded(constant, form, parameter), form.cast(parameter)
     return float((_same(got, want)).float().mean()) if want.numel() else 1.0
 
 
@@ -282,16 +386,19 @@ def _checked(name: str, constant: Constant, form: Form, parameter: torch.Tensor)
 
 
 def _compared(
-    name: str, parameter: torch.Tensor, form: Form, constant: Constant, paired_by: str
+    name: str,
+    parameter: torch.Tensor,
+    form: Form,
+    constant: Constant,
+    paired_by: str,
+    part: QuantizedPart | None = None,
 ) -> Mismatch:
-    got, want = _decoded(constant, form, parameter), form.apply(parameter)
-    stored_differs = ~_same(got, want)
-    difference = (got.double() - want.double()).abs()[stored_differs]
-    # Rows are the parameter's own: the stored form's mask permuted back.
-    differs = stored_differs
-    if form.permutation is not None:
-        inverse = tuple(sorted(range(len(form.permutation)), key=form.permutation.__getitem__))
-        differs = stored_differs.permute(inverse)
+    got, want = _decoded(constant, form, parameter), form.cast(parameter)
+    differs = ~_same(got, want)
+    difference = (got.double() - want.double()).abs()
+    how = form.describe(parameter) or "as is"
+    if part is not None:
+        return quantized.grouped_mismatch(part, differs, difference, constant.where, how, paired_by)
     rows = _rows(parameter)
     row_differs = differs.reshape(rows, -1).any(dim=1)
     # Named by row, or by element in a vector or scalar.
@@ -299,10 +406,10 @@ def _compared(
     return Mismatch(
         parameter=name,
         where=constant.where,
-        how=form.describe(parameter) or "as is",
+        how=how,
         elements=parameter.numel(),
         differing=int(differs.sum()),
-        max_abs=float(difference.max()) if difference.numel() else 0.0,
+        max_abs=float(difference[differs].max()) if differs.any() else 0.0,
         rows=rows,
         differing_rows=int(row_differs.sum()),
         differing_at=tuple(named.nonzero().reshape(-1)[:SHOWN].tolist()),

@@ -60,8 +60,7 @@ def pte(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit
 
     data_file = data_path.name if data_path is not None else "a data file"
 
-    def why_unseen(name: str) -> str:
-        parameter = weights[name]
+    def why_unseen(name: str, parameter: torch.Tensor) -> str:
         # Held outside by name (a program constant), or by key (a delegate's), the key being
         # the hash of one of the parameter's forms.
         if name in outside or any(
@@ -80,7 +79,9 @@ def pte(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit
         f"{keyed} of {delegate}'s named data keyed by the SHA-256 of their bytes, {named} by "
         "name" + (f" in {data_path.name}" if data_path is not None and has_data else "")
     )
-    return _audited(runtime, read, constants, weights, why_unseen)
+    # XNNPACK's quantized weights hold no zero point; what Vulkan's would is not read here.
+    no_zero_points = delegate if delegate == "XNNPACK" else None
+    return _audited(runtime, read, constants, weights, why_unseen, no_zero_points)
 
 
 def aoti_package(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
@@ -97,18 +98,20 @@ def aoti_package(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> Wei
         read,
         constants,
         weights,
-        lambda name: why_unseen(weights[name], name, declared, pickled),
+        lambda name, parameter: why_unseen(parameter, name, declared, pickled),
     )
 
 
 def exported_program(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
-    """A torch.export program's state dict and constants, by name."""
+    """A torch.export program's state dict and constants, by name (a quantized weight, which
+    the program keeps as torchao's tensor, as its parts)."""
     import torch
 
     from exporter.audit.matching import Constant
+    from exporter.audit.quantized import unpacked
 
     program = torch.export.load(artifact.path)
-    held = {**program.state_dict, **program.constants}
+    held, _parts = unpacked({**program.state_dict, **program.constants})
     constants = [
         Constant(
             where=f"{artifact.path.name} {name!r}",
@@ -121,7 +124,9 @@ def exported_program(artifact: Artifact, weights: Mapping[str, torch.Tensor]) ->
         if isinstance(t, torch.Tensor)
     ]
     read = f"{len(constants)} state dict entries and constants of the exported program by name"
-    return _audited(str(artifact.runtime), read, constants, weights, lambda _name: _NOT_HELD)
+    return _audited(
+        str(artifact.runtime), read, constants, weights, lambda _name, _parameter: _NOT_HELD
+    )
 
 
 def _audited(
@@ -129,18 +134,21 @@ def _audited(
     read: str,
     constants: list[Constant],
     weights: Mapping[str, torch.Tensor],
-    why_unseen: Callable[[str], str],
+    why_unseen: Callable[[str, torch.Tensor], str],
+    no_zero_points: str | None = None,
 ) -> WeightsAudit:
     from exporter.audit.matching import audit_constants
+    from exporter.audit.quantized import summary
 
-    checked, mismatched, unseen, corrupted = audit_constants(constants, weights, why_unseen)
+    found = audit_constants(constants, weights, why_unseen, no_zero_points)
     return WeightsAudit(
         runtime=runtime,
         read=read,
-        checked=tuple(checked),
-        mismatched=tuple(mismatched),
-        unseen=tuple(unseen),
-        corrupted=tuple(corrupted),
+        checked=tuple(found.checked),
+        mismatched=tuple(found.mismatched),
+        unseen=tuple(found.unseen),
+        corrupted=tuple(found.corrupted),
+        quantized=summary(found.parts, found.checked),
     )
 
 

@@ -40,8 +40,15 @@ class Mismatch:
     # name), "key" (under the SHA-256 of the parameter's bytes), "shape" (the one constant of
     # its shape and dtype left unexplained) or "closest of its shape".
     paired_by: str
+    # A quantized weight's part (values, scales or zero points): the weight's groups (one scale
+    # and zero point each), how many hold a differing element, and the first `SHOWN` of them.
+    groups: int = 0
+    differing_groups: int = 0
+    groups_at: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.groups:
+            return self._describe_groups()
         rows = (
             f"{self.differing_rows} of {self.rows} rows differ ({self.differing} of "
             f"{self.elements} elements)"
@@ -51,6 +58,17 @@ class Mismatch:
         return (
             f"{self.parameter}: {rows}{self._where_they_differ()}, max abs {self.max_abs:.4g}; "
             f"at {self.where} (compared {self.how}, paired by {self.paired_by})"
+        )
+
+    def _describe_groups(self) -> str:
+        shown = "; ".join(self.groups_at)
+        more = self.differing_groups - len(self.groups_at)
+        return (
+            f"{self.parameter}: {self.differing_groups} of {self.groups} groups differ "
+            f"({self.differing} of {self.elements} elements): {shown}"
+            + (f" and {more} more" if more > 0 else "")
+            + f", max abs {self.max_abs:.4g}; at {self.where} (compared {self.how}, paired by "
+            f"{self.paired_by})"
         )
 
     def _where_they_differ(self) -> str:
@@ -88,6 +106,10 @@ class WeightsAudit:
     corrupted: tuple[Corrupted, ...] = ()
     # The buffers skipped as state the program writes as it runs (a KV cache), not weights.
     state: tuple[str, ...] = ()
+    # Of the quantized weights, each checked as its parts (values, scales, zero points): how
+    # many there are, how many had every part checked, their groups, and how each part was
+    # compared ("compared": part to the ways); None without quantized weights.
+    quantized: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -113,6 +135,15 @@ class WeightsAudit:
                     "differing_at": list(m.differing_at),
                     "max_abs": m.max_abs,
                     "paired_by": m.paired_by,
+                    **(
+                        {
+                            "groups": m.groups,
+                            "differing_groups": m.differing_groups,
+                            "groups_at": list(m.groups_at),
+                        }
+                        if m.groups
+                        else {}
+                    ),
                 }
                 for m in self.mismatched
             ],
@@ -121,6 +152,7 @@ class WeightsAudit:
             "skipped_state": list(self.state),
             "corrupted": [{"where": c.where, "nbytes": c.nbytes} for c in self.corrupted],
             "checked_at": {c.parameter: f"{c.where} ({c.how})" for c in self.checked},
+            "quantized": self.quantized,
         }
 
     def lines(self) -> list[str]:
@@ -131,6 +163,8 @@ class WeightsAudit:
             + (f", {len(self.state)} state buffers skipped" if self.state else "")
             + f" ({self.read})"
         ]
+        if self.quantized:
+            lines.append(f"  quantized: {_quantized_line(self.quantized)}")
         if self.state:
             lines.append(
                 f"  skipped: {_shown(self.state)}: the KV cache's buffers, state the program "
@@ -152,3 +186,23 @@ class WeightsAudit:
 def _shown(names: Sequence[str]) -> str:
     """The first four names, and how many more."""
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _quantized_line(found: dict[str, Any]) -> str:
+    """How many quantized weights (and groups) were checked whole, and how each part was
+    compared: bit for bit, in the form (and at the precision) the artifact stores it."""
+    compared = "; ".join(
+        f"{part} {', '.join(_precision(way) for way in ways)}"
+        for part, ways in found["compared"].items()
+    )
+    return (
+        f"{found['checked']} of {found['weights']} quantized weights checked in values, scales "
+        f"and zero points ({found['groups']} groups), bit for bit as the artifact stores them"
+        + (f": {compared}" if compared else "")
+    )
+
+
+def _precision(way: str) -> str:
+    if way.startswith("rounded to"):
+        return f"{way} (the format's precision: the model's rounded alike, then compared)"
+    return way
