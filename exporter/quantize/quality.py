@@ -111,3 +111,12 @@ class Perplexity:
 
     def to_json(self) -> dict[str, object]:
         return asdict(self) | {"ratio": self.ratio}
+
+
+def text() -> tuple[str, str]:
+    """The natural English text that perplexity is measured on, and where it comes from: the
+    Python documentation's section on exceptions, as the standard library ships it (no file to
+    fetch, the same wherever the job runs)."""
+    from pydoc_data.topics import topics
+
+    return "pydoc_data.topics['exceptions']", topics["exceptions"]
