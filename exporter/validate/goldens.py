@@ -107,7 +107,9 @@ def _reference(
     """Eager at the model's dtype on `device`, judged against the oracle, with the predictions
     of the outputs that are `logits` (and their quality, where `measuring`); the module returns
     to the CPU after, where export reads it."""
-    on_device = module.to(device)
+    # Moved only where it must be: `.to` swaps each parameter, and torchao's quantized weights
+    # cannot be swapped while export's references to them live.
+    on_device = module if device == "cpu" else module.to(device)
     reference = {}
     output_dtypes: tuple[torch.dtype, ...] = ()
     try:
@@ -126,7 +128,8 @@ def _reference(
             f"{type(error).__name__}: {error}"
         ) from error
     finally:
-        module.to("cpu")
+        if device != "cpu":
+            module.to("cpu")
     return reference, output_dtypes
 
 

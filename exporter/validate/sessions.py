@@ -248,7 +248,9 @@ def _reference(
     sessions as the artifact will: its error at every judged step (and its quality, where
     `measuring`), its logits' dtype, and its greedy tokens after `prompt`. The module returns to
     the CPU after, where export reads it."""
-    on_device = module.to(device)
+    # Moved only where it must be: `.to` swaps each parameter, and torchao's quantized weights
+    # cannot be swapped while export's references to them live.
+    on_device = module if device == "cpu" else module.to(device)
     reference: dict[str, list[EagerError]] = {}
     dtype = torch.float32
     slots = len(planned[0]["tokens"])
@@ -277,7 +279,8 @@ def _reference(
             f"{type(error).__name__}: {error}"
         ) from error
     finally:
-        module.to("cpu")
+        if device != "cpu":
+            module.to("cpu")
     log.info(
         "[goldens] %d sessions, %d judged steps, greedy %d tokens",
         len(planned),
