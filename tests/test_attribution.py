@@ -57,7 +57,7 @@ def test_the_layer_whose_quantization_error_dominates_ranks_first_and_skip_keeps
                 return [module(x)]
 
         found = attribute(bundle.module, run, cfg)
-        assert [layer.name for layer in found.layers][0] == worst
+        assert found.layers[0].name == worst
         assert len(found.layers) == 3
         first, second = found.layers[0].quality, found.layers[1].quality
         assert first.kld_mean > 5 * second.kld_mean

@@ -16,8 +16,8 @@ from exporter.quantize.quality import NextToken
 from exporter.quantize.verdict import Quality
 from exporter.tracking.comparison import JobSummary
 from exporter.tracking.comparison.table import rows
+from tests import gguf_checkpoint
 from tests.conftest import CliResult, job_in_process, run_exporter
-from tests.test_kv_cache import SMALL
 
 QUANTIZED = ("quantize=8da4w", "model.num_hidden_layers=1", "dynamic.seq.max=16")
 
@@ -95,31 +95,36 @@ def test_mlflow_and_the_comparison_carry_quality(over_budget: CliResult) -> None
     assert row["quality_kld_mean"] == metrics["quality.kld_mean"]
 
 
-def test_a_kv_cache_job_measures_quality_per_step_beside_float_greedy_and_ranks_layers(
+def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_and_ranks_layers(
     tmp_path: Path,
 ) -> None:
+    # A checkpoint with a tokenizer (a byte vocabulary): perplexity and greedy text too.
+    path = gguf_checkpoint.write(gguf_checkpoint.tiny_llama(), tmp_path / "tiny.F32.gguf")
     record, report = job_in_process(
-        tmp_path,
-        "backend=eager",
-        *SMALL,
+        tmp_path / "run",
+        *gguf_checkpoint.chat_job(path),
         "quantize=8da8w",
         "quantize.min_top1=0",
         "quantize.attribution=true",
-        "validate.greedy_tokens=4",
     )
     assert record.error is None, record.error
     section = report["quality"]
-    judged = [
-        f"session={s['session']},pos={s['pos']},seq={s['seq']}"
-        for s in (e["shape"] for e in report["executions"])
-    ]
+    shapes = [e["shape"] for e in report["executions"]]
+    judged = [f"session={s['session']},pos={s['pos']},seq={s['seq']}" for s in shapes]
     assert sorted(section["per_case"]) == sorted(judged)
-    # The float model's greedy tokens (its float64 oracle's) beside the artifact's.
+    # The float model's greedy tokens (its float64 oracle's) beside the artifact's, as text.
     greedy = section["greedy"]
-    assert len(greedy["float"]) == 4 and greedy["artifact"] == report["greedy"]["artifact"]
-    # One decoder layer's 7 linear layers and the output projection, each quantized alone.
+    assert greedy["artifact"] == report["greedy"]["artifact"]
+    assert len(greedy["float"]) == len(greedy["artifact"]) == 11
+    assert greedy["text"]["artifact"] == report["greedy"]["text"]["artifact"]
+    # Perplexity on the cache's 32 positions of the text, and the quantized model's figures there.
+    perplexity = section["perplexity"]
+    assert perplexity["tokens"] == 32
+    assert perplexity["ratio"] == pytest.approx(perplexity["quantized"] / perplexity["float"])
+    assert 1 < perplexity["float"] < 1000 and perplexity["next_token"]["positions"] == 32
+    # Two decoder layers' 7 linear layers and the output projection, each quantized alone.
     layers = report["attribution"]["layers"]
-    assert len(layers) == 8
+    assert len(layers) == 15
     kld = [layer["kld_mean"] for layer in layers]
     assert kld == sorted(kld, reverse=True) and kld[0] > 0
     worst = [layer["name"] for layer in layers[:5]]

@@ -72,8 +72,10 @@ def per_position(float_logits: torch.Tensor, quantized_logits: torch.Tensor) -> 
             f"model's {tuple(quantized_logits.shape)}: they must match."
         )
     vocab = float_logits.shape[-1]
-    log_p = torch.log_softmax(float_logits.reshape(-1, vocab).to(torch.float64), dim=-1)
-    log_q = torch.log_softmax(quantized_logits.reshape(-1, vocab).to(torch.float64), dim=-1)
+    log_p = torch.log_softmax(float_logits.detach().reshape(-1, vocab).to(torch.float64), dim=-1)
+    log_q = torch.log_softmax(
+        quantized_logits.detach().reshape(-1, vocab).to(torch.float64), dim=-1
+    )
     p = log_p.exp()
     # p * log p is 0 where p is 0; where q is 0 and p is not, KL is +inf, as it should be.
     kld = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)

@@ -124,6 +124,12 @@ class Quality:
                 f"{found['float']:.4g}, quantized {found['quantized']:.4g} (eager at the model's "
                 f"dtype), ratio {found['ratio']:.4g}"
             )
+            on_text = found["next_token"]
+            lines.append(
+                f"on that text, the quantized model in eager against the float model: KLD mean "
+                f"{on_text['kld_mean']:.3g} (p99 {on_text['kld_p99']:.3g}), top-1 "
+                f"{on_text['top1']:.3g}, p drop {on_text['prob_drop']:.3g}"
+            )
         if self.greedy is not None:
             lines.append(self.greedy["line"])
         return lines

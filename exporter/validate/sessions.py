@@ -146,7 +146,9 @@ def _quality(
 ) -> dict[str, Any]:
     """What the goldens measure of quality: eager's against the float model at the judged steps,
     the float model's greedy tokens (its float64 oracle's) after the prompt, and with the
-    checkpoint's tokenizer, both models' perplexity on a text."""
+    checkpoint's tokenizer, both models' perplexity on a text and the quantized model's next-token
+    quality on it, both in eager at the model's dtype: the sessions' token ids are random, on
+    which a trained model's predictions are flatter than on text."""
     assert bundle.unquantized is not None and bundle.unquantized.decoder is not None
     assert bundle.decoder is not None
     float_decoder = bundle.unquantized.decoder
@@ -162,18 +164,19 @@ def _quality(
         log.info("[goldens] no perplexity: %s", error)
         return found
     source, text = quality.text()
-    tokens = torch.tensor(tokenizer.encode(text)[:_PERPLEXITY_TOKENS], dtype=torch.long)
+    # No more positions than the model is exported for: a small model's may end before 256.
+    count = min(_PERPLEXITY_TOKENS, float_decoder.max_cache_len)
+    tokens = torch.tensor(tokenizer.encode(text)[:count], dtype=torch.long)
 
-    def perplexity(model: torch.nn.Module) -> float:
-        with torch.no_grad():
-            return quality.perplexity(model(tokens.unsqueeze(0))[0], tokens)
-
+    with torch.no_grad():
+        float_logits = float_decoder.uncached(tokens.unsqueeze(0))[0]
+        quantized_logits = bundle.decoder.uncached(tokens.unsqueeze(0))[0]
     found["perplexity"] = quality.Perplexity(
         source,
         int(tokens.numel()),
-        perplexity(float_decoder.uncached),
-        perplexity(bundle.decoder.uncached),
-    ).to_json()
+        quality.perplexity(float_logits, tokens),
+        quality.perplexity(quantized_logits, tokens),
+    ).to_json() | {"next_token": quality.next_token(float_logits, quantized_logits).to_json()}
     return found
 
 
