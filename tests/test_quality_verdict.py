@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from exporter.job import verdict as job_verdict
 from exporter.quantize.quality import NextToken
 from exporter.quantize.verdict import Quality
 from exporter.tracking.comparison import JobSummary
@@ -104,7 +105,6 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
         tmp_path / "run",
         *gguf_checkpoint.chat_job(path),
         "quantize=8da8w",
-        "quantize.min_top1=0",
         "quantize.attribution=true",
     )
     assert record.error is None, record.error
@@ -130,3 +130,11 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
     worst = [layer["name"] for layer in layers[:5]]
     assert report["attribution"]["override"] == f"quantize.skip=[{','.join(worst)}]"
     assert record.attribution is not None and record.attribution.worst_names() == worst
+    # The closing lines: quality's figures, the float model's greedy answer beside the
+    # artifact's, and the override that keeps the costliest layers float.
+    record.ended_ms = record.started_ms + 1000
+    summary = JobSummary.of(record, {})
+    closing = "\n".join(job_verdict.lines(summary, 0, tmp_path, [], [], 1.0))
+    assert f"quality vs float: KLD {section['artifact']['kld_mean']:.3g}" in closing
+    assert f"artifact {greedy['text']['artifact']!r}" in closing
+    assert f"(quantize.attribution): quantize.skip=[{','.join(worst)}]" in closing

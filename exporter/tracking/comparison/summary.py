@@ -59,6 +59,8 @@ class JobSummary:
     quality_top1: float | None = None
     quality_prob_drop: float | None = None
     quality_ppl_ratio: float | None = None
+    # The float model's greedy tokens beside the artifact's, in a line (a KV-cache model).
+    quality_greedy: str | None = None
     costliest_layers: list[str] = field(default_factory=list)
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
@@ -297,6 +299,11 @@ def _take_quality(summary: JobSummary, record: JobRecord) -> None:
         summary.quality_prob_drop = quality.artifact.prob_drop
     if quality.perplexity is not None:
         summary.quality_ppl_ratio = quality.perplexity["ratio"]
+    if quality.greedy is not None:
+        summary.quality_greedy = quality.greedy["line"]
+        if "text" in quality.greedy:
+            text = quality.greedy["text"]
+            summary.quality_greedy += f": float {text['float']!r}, artifact {text['artifact']!r}"
     if summary.failed_stage != "validate":
         return
     fidelity_failed = not (
