@@ -232,9 +232,7 @@ class _Sequence:
                 device = self.backend.reference_device
                 expected = _goldens(bundle, model_material, job, device, self.store)
             if job.quantize.attribution and bundle.unquantized is not None:
-                with self.timed("attribution"):
-                    produced.attribution = _attribution(bundle.unquantized, expected, job)
-                log.info("[attribution] %s", "\n".join(produced.attribution.lines()))
+                self.attributed(bundle.unquantized, expected)
         state = _cache_buffers(bundle)
         del bundle
         memory.release_freed()
@@ -249,6 +247,19 @@ class _Sequence:
             memory.spare_survivors()
         produced.artifact = lowered.artifact
         return program, expected, lowered
+
+    def attributed(self, float_bundle: models.ModelBundle, expected: Expected) -> None:
+        """quantize.attribution: the quality each layer costs, quantized alone, on the goldens'
+        inputs; ranked by what it costs the next-token predictions, which a model without
+        logits has none of."""
+        if True not in expected.goldens.logits:
+            log.info("[attribution] skipped: the model has no next-token logits to rank layers by")
+            return
+        with self.timed("attribution"):
+            run = attribution.on_validation_inputs(float_bundle, expected.goldens)
+            found = attribution.attribute(float_bundle.module, run, self.job.quantize)
+        self.produced.attribution = found
+        log.info("[attribution] %s", "\n".join(found.lines()))
 
     def judged(self, program: ProgramFile | None, expected: Expected, lowered: Lowered) -> Lowered:
         """bundle -> validate -> localize -> repair: the artifact that passed (the repaired one
@@ -419,14 +430,6 @@ def _goldens(
     )
     file = folder / stored_goldens.GOLDENS_FILE
     return Expected(names, shapes, stored_goldens.load(folder), file, tolerances)
-
-
-def _attribution(
-    float_bundle: models.ModelBundle, expected: Expected, job: config.JobConfig
-) -> attribution.Attribution:
-    """The quality each layer costs, quantized alone, on the goldens' inputs."""
-    run = attribution.on_validation_inputs(float_bundle, expected.goldens)
-    return attribution.attribute(float_bundle.module, run, job.quantize)
 
 
 def _tolerances(job: config.JobConfig) -> validate.Tolerances:

@@ -110,8 +110,9 @@ class Quality:
 
     def verdict(self) -> str:
         if self.passed:
-            return f"quality passed: within quantize.max_kld={self.max_kld:g} and min_top1=" + (
-                f"{self.min_top1:g}"
+            return (
+                f"quality passed: within quantize.max_kld={self.max_kld:g} and "
+                f"quantize.min_top1={self.min_top1:g}"
             )
         return "quality (what quantization costs) fails: " + "; ".join(self.failures) + "."
 
