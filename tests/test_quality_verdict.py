@@ -16,7 +16,7 @@ from exporter.job import verdict as job_verdict
 from exporter.quantize.quality import NextToken
 from exporter.quantize.verdict import Quality
 from exporter.tracking.comparison import JobSummary
-from exporter.tracking.comparison.table import rows
+from exporter.tracking.comparison.table import rows, text
 from tests import gguf_checkpoint
 from tests.conftest import CliResult, job_in_process, run_exporter
 
@@ -138,3 +138,14 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
     assert f"quality vs float: KLD {section['artifact']['kld_mean']:.3g}" in closing
     assert f"artifact {greedy['text']['artifact']!r}" in closing
     assert f"(quantize.attribution): quantize.skip=[{','.join(worst)}]" in closing
+
+
+def test_the_terminal_table_shows_kld_only_for_a_sweep_that_quantized() -> None:
+    float_job = JobSummary("0-llama-eager", {"quantize": "none"}, "passed", 0)
+    quantized_job = JobSummary("1-llama-eager", {"quantize": "8da4w"}, "passed", 0)
+    quantized_job.quality_kld_mean = 0.0123
+    assert "KLD" not in text([float_job]).splitlines()[0].split()
+    header, _, _, row = text([float_job, quantized_job]).splitlines()
+    assert header.split()[3:6] == ["stage", "ratio", "KLD"]
+    assert row.split() == ["1-llama-eager", "8da4w", "passed", "0.0123"]
+    assert row.index("0.0123") == header.index("KLD")
