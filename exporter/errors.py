@@ -19,6 +19,11 @@ class ValidationFailed(ExporterError):
     exit_code = 1
 
 
+class QualityFailed(ValidationFailed):
+    """A quantized artifact computes what the quantized model computes (fidelity passed), and
+    quantization costs more than quantize.max_kld or quantize.min_top1 allow."""
+
+
 class ConfigError(ExporterError):
     stage = "config"
     exit_code = 2

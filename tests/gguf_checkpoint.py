@@ -35,6 +35,20 @@ _LAYER_TENSORS = {
 }
 
 
+def chat_job(path: Path) -> tuple[str, ...]:
+    """The overrides of an eager job of the GGUF file `path` with a static cache of 32 slots,
+    prefills up to 24 tokens, and a greedy answer to a chat prompt."""
+    return (
+        "backend=eager",
+        "model=hf",
+        f"model.checkpoint={path}",
+        "model.kv_cache=static",
+        "dynamic.seq.max=24",
+        "model.max_cache_len=32",
+        "validate.prompt=Hi",
+    )
+
+
 def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
     """Two layers, grouped-query heads, 128 positions, untied output: a job in seconds."""
     torch.manual_seed(seed)

@@ -63,16 +63,7 @@ def test_a_gguf_checkpoint_exports_with_a_static_cache_and_answers_a_chat_prompt
     written, tmp_path: Path
 ) -> None:
     _, path = written
-    record, report = job_in_process(
-        tmp_path,
-        "backend=eager",
-        "model=hf",
-        f"model.checkpoint={path}",
-        "model.kv_cache=static",
-        "dynamic.seq.max=24",
-        "model.max_cache_len=32",
-        "validate.prompt=Hi",
-    )
+    record, report = job_in_process(tmp_path, *gguf_checkpoint.chat_job(path))
     assert record.error is None
     assert report["passed"]
     assert {e["shape"]["session"] for e in report["executions"]} == {0, 1, 2}

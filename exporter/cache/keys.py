@@ -93,7 +93,14 @@ def goldens(
         "greedy_tokens": job.validate.greedy_tokens,
         "prompt": job.validate.prompt,
         "reference_device": backends.configured(job).reference_device,
-        "code": code_of(["exporter.validate.goldens", "exporter.validate.sessions"]),
+        "code": code_of(
+            [
+                "exporter.validate.goldens",
+                "exporter.validate.sessions",
+                "exporter.quantize.quality",
+                "exporter.quantize.verdict",
+            ]
+        ),
     }
 
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from exporter.localize import Localization
     from exporter.localize.repair import Repair
     from exporter.quantize import Quantization
+    from exporter.quantize.attribution import Attribution
+    from exporter.quantize.verdict import Quality
     from exporter.validate import Report
     from runtimes.formats.bundle import Bundle
 
@@ -58,6 +60,11 @@ class Produced:
     localization: Localization | None = None
     repair: Repair | None = None
     benchmark: Benchmark | None = None
+    # A quantized model: what quantization costs (the artifact against the float model), judged
+    # apart from the artifact's fidelity, and which layers cost the most
+    # (quantize.attribution).
+    quality: Quality | None = None
+    attribution: Attribution | None = None
 
     @property
     def passed(self) -> bool:
@@ -80,3 +87,5 @@ class Produced:
         record.localization = self.localization
         record.repair = self.repair
         record.benchmark = self.benchmark
+        record.quality = self.quality
+        record.attribution = self.attribution

@@ -33,13 +33,15 @@ from exporter import audit, benchmark, config, export, localize, models, validat
 from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
-from exporter.errors import RuntimeFailed, ValidationFailed
+from exporter.errors import QualityFailed, RuntimeFailed, ValidationFailed
 from exporter.export import Exported
 from exporter.files import write_json
 from exporter.job.produced import CacheUse, Produced
 from exporter.job.timing import Notify, stage
 from exporter.localize import repair
 from exporter.process import memory, progress
+from exporter.quantize import attribution
+from exporter.quantize import verdict as quality_verdict
 from exporter.tracking.record import JobRecord
 from exporter.validate import goldens, sessions
 from exporter.validate.plan import plan
@@ -235,6 +237,8 @@ class _Sequence:
             with self.timed("goldens"):
                 device = self.backend.reference_device
                 expected = _goldens(bundle, model_material, job, device, self.store)
+            if job.quantize.attribution and bundle.unquantized is not None:
+                self.attributed(bundle.unquantized, expected)
         state = _cache_buffers(bundle)
         del bundle
         memory.release_freed()
@@ -249,6 +253,19 @@ class _Sequence:
             memory.spare_survivors()
         produced.artifact = lowered.artifact
         return program, expected, lowered
+
+    def attributed(self, float_bundle: models.ModelBundle, expected: Expected) -> None:
+        """quantize.attribution: the quality each layer costs, quantized alone, on the goldens'
+        inputs; ranked by what it costs the next-token predictions, which a model without
+        logits has none of."""
+        if True not in expected.goldens.logits:
+            log.info("[attribution] skipped: the model has no next-token logits to rank layers by")
+            return
+        with self.timed("attribution"):
+            run = attribution.on_validation_inputs(float_bundle, expected.goldens)
+            found = attribution.attribute(float_bundle.module, run, self.job.quantize)
+        self.produced.attribution = found
+        log.info("[attribution] %s", "\n".join(found.lines()))
 
     def judged(self, program: ProgramFile | None, expected: Expected, lowered: Lowered) -> Lowered:
         """bundle -> validate -> localize -> repair: the artifact that passed (the repaired one
@@ -279,6 +296,12 @@ class _Sequence:
             _repair_verdict(backend, produced)
         judged = "judged steps" if produced.report.sessions else "live shapes"
         log.info("[validate] passed at all %d %s", len(produced.report.shapes), judged)
+        if produced.quality is not None and not produced.quality.passed:
+            raise QualityFailed(
+                f"{produced.quality.verdict()} Fidelity passed: the artifact computes what the "
+                "quantized model computes; the quantization scheme costs more than the budget "
+                f"({REPORT_FILE}'s quality section has the figures per case)."
+            )
         return lowered
 
     def validated(self, lowered: Lowered, expected: Expected) -> None:
@@ -289,10 +312,26 @@ class _Sequence:
         produced.weights_audit = audit.audit(lowered.artifact, lowered.weights, lowered.state)
         lowered.weights.clear()
         memory.release_freed()
-        produced.report = _validated(lowered.artifact, expected)
+        goldens = expected.goldens
+        measuring = None
+        if goldens.unquantized:
+            logits_index = goldens.logits.index(True)
+            measuring = quality_verdict.Measuring(goldens.unquantized, logits_index)
+        produced.report = _validated(lowered.artifact, expected, measuring)
         report_file = self.record.run_dir / REPORT_FILE
         log.info("[validate] report (%s):\n%s", report_file, produced.report.table())
         log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
+        if measuring is not None:
+            quantize_cfg = self.job.quantize
+            produced.quality = quality_verdict.judged(
+                quantize_cfg.max_kld,
+                quantize_cfg.min_top1,
+                measuring,
+                goldens.quality,
+                produced.report.generation,
+                (goldens.greedy or {}).get("tokenizer"),
+            )
+            log.info("[quality] %s", "\n".join(produced.quality.lines()))
 
     def repaired(self, program: ProgramFile, expected: Expected) -> Lowered:
         """The program lowered again with the repair's override, bundled and validated as the
@@ -428,14 +467,18 @@ def _lower(
     return Lowered(backend.lowered_in(store.run_dir), weights, program.state)
 
 
-def _validated(artifact: Artifact, expected: Expected) -> validate.Report:
-    """The artifact's outputs at every live shape, judged against the goldens under the rule."""
+def _validated(
+    artifact: Artifact, expected: Expected, measuring: quality_verdict.Measuring | None
+) -> validate.Report:
+    """The artifact's outputs at every live shape, judged against the goldens under the rule;
+    a quantized artifact's quality measured on them too, where `measuring`."""
     return validate.run(
         expected.output_names,
         _loader(artifact),
         expected.shapes,
         expected.goldens,
         expected.tolerances,
+        measuring.add if measuring else lambda key, outputs: None,
     )
 
 
@@ -599,6 +642,8 @@ def _failure_message(
             sentences.append(keep_out.advice())
     elif isinstance(localization, localize.NotReproduced):
         sentences.append("Lowering the program again does not reproduce the failure.")
+    if produced.quality is not None:
+        sentences.append(f"Apart from fidelity, {produced.quality.verdict()}")
     return " ".join(sentences) + f" ({REPORT_FILE} in the run dir says more.)"
 
 
@@ -621,6 +666,8 @@ def _report_payload(produced: Produced) -> dict[str, Any]:
             "files": dict(produced.bundle.files),
         },
         "repair": produced.repair and produced.repair.to_json(),
+        "quality": produced.quality and produced.quality.to_json(),
+        "attribution": produced.attribution and produced.attribution.to_json(),
     }
     return {**produced.report.to_json(), **{k: v for k, v in sections.items() if v}}
 

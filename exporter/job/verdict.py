@@ -1,6 +1,8 @@
 """The lines a job ends with, after everything else it logs: how it ended (passed, or where it
-failed or was stopped, with its exit code), its worst error ratio and its speedup over eager, a
-KV-cache model's greedy generation beside the oracle's, where its files are, the link that
+failed or was stopped, with its exit code; for a quantized model, whether fidelity or quality
+failed), its worst error ratio, a quantized model's quality against the float model and its
+speedup over eager, a KV-cache model's greedy generation beside the oracle's (and the float
+model's), the layers whose quantization costs the most, where its files are, the link that
 opens its MLflow run, and how long it took.
 
 Whichever process concludes the job writes them (exporter/job/ending.py's `conclude`): the worker
@@ -39,6 +41,8 @@ def lines(
         _clipped(_PREFIX + _shouted(summary.outcome(exit_code))),
         *(_PREFIX + figure for figure in figures),
         *([_PREFIX + summary.greedy] if summary.greedy else []),
+        *([_PREFIX + summary.quality_greedy] if summary.quality_greedy else []),
+        *([_PREFIX + _costliest(summary.costliest_layers)] if summary.costliest_layers else []),
         f"{_PREFIX}run dir: {run_dir}",
         *([f"{_PREFIX}plots: {' '.join(plot.name for plot in plots)}"] if plots else []),
         *(_PREFIX + line for line in run_link),
@@ -58,6 +62,12 @@ def mlflow_run_lines(tracking_uri: str, experiment_id: str, run_id: str) -> list
         f"MLflow run: {MLFLOW_UI}/{path}",
         f"  served by: mlflow ui --backend-store-uri {tracking_uri}",
     ]
+
+
+def _costliest(layers: Sequence[str]) -> str:
+    """The layers whose quantization costs the most quality, with the override that keeps them
+    float (a link-like line: it may pass 120 columns, and is copied whole)."""
+    return f"costliest layers quantized (quantize.attribution): quantize.skip=[{','.join(layers)}]"
 
 
 def _shouted(outcome: str) -> str:

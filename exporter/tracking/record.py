@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from exporter.export import Diagnosis
     from exporter.localize import Localization
     from exporter.localize.repair import Repair
+    from exporter.quantize.attribution import Attribution
+    from exporter.quantize.verdict import Quality
     from exporter.validate import Report
     from runtimes.formats.bundle import Bundle
 
@@ -77,6 +79,10 @@ class JobRecord:
     # lowered again with (the record's artifact, report and audit are then the repaired one's).
     repair: Repair | None = None
     benchmark: Benchmark | None = None
+    # A quantized model: what quantization costs, judged apart from fidelity, and which layers
+    # cost the most (quantize.attribution).
+    quality: Quality | None = None
+    attribution: Attribution | None = None
     # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
     # the cache.
     cache_keys: dict[str, str] = field(default_factory=dict)

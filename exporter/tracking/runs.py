@@ -47,6 +47,7 @@ from runtimes.verdict.shapes import label
 if TYPE_CHECKING:
     # Imports torch, which a job's tracking does not need.
     from exporter.benchmark import Benchmark
+    from exporter.quantize.verdict import Quality
 
 log = logging.getLogger(__name__)
 
@@ -435,6 +436,13 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
     metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
     if record.report:
         metrics += report_metrics(record.report, at)
+    if record.quality and record.report:
+        metrics += _quality_metrics(record.quality, record.report, at)
+    if record.attribution:
+        metrics += [
+            Metric(f"attribution.kld_mean.{layer.name}", layer.quality.kld_mean, at, 0)
+            for layer in record.attribution.worst()
+        ]
     if record.benchmark:
         metrics += _call_metrics(record.benchmark, at)
     if record.benchmark and record.benchmark.shapes and record.report:
@@ -500,6 +508,41 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
     return metrics
 
 
+def _quality_metrics(quality: Quality, report: Report, at: int) -> list[Metric]:
+    """A quantized artifact's quality against the float model: over every judged position
+    (`quality.kld_mean`, the quantized model's in eager beside it), then per live shape at its
+    step (`shape.quality.kld_mean`) or, with a KV cache, per session at each judged step's
+    position (`session0.quality.kld_mean`)."""
+    figures: dict[str, float] = {"quality.passed": float(quality.passed)}
+    for who, found in (("quality", quality.artifact), ("quality.eager", quality.eager)):
+        if found is not None:
+            figures |= {f"{who}.{k}": v for k, v in found.to_json().items() if k != "positions"}
+    if quality.perplexity is not None:
+        found = quality.perplexity
+        figures |= {
+            "quality.ppl_float": found["float"],
+            "quality.ppl_quantized": found["quantized"],
+            "quality.ppl_ratio": found["ratio"],
+        }
+    metrics = [Metric(key, value, at, 0) for key, value in figures.items()]
+    cases = quality.artifact_per_case
+    if report.sessions:
+        places = [(f"session{s['session']}.quality", s["pos"], label(s)) for s in report.shapes]
+    else:
+        places = [
+            ("shape.quality", step, label(shape))
+            for shape, step in zip(report.shapes, steps(report.shapes), strict=True)
+        ]
+    for prefix, step, key in places:
+        if key in cases:
+            measured = cases[key].to_json()
+            metrics += [
+                Metric(f"{prefix}.{stat}", measured[stat], at, step)
+                for stat in ("kld_mean", "kld_max", "top1", "prob_drop")
+            ]
+    return metrics
+
+
 def _session_metrics(report: Report, at: int) -> list[Metric]:
     """Per session, each judged step's figures at its position (the prefill's at 0), so that
     MLflow plots error against position, a line per session; the greedy generation's tokens
@@ -554,6 +597,12 @@ def _tags(summary: JobSummary) -> dict[str, str]:
     tags.update({f"repair.{key}": value for key, value in summary.repair.items()})
     if summary.failed_stage:
         tags["failed_stage"] = summary.failed_stage
+    if summary.failed_on:
+        tags["failed_on"] = summary.failed_on
+    if summary.quality_passed is not None:
+        tags["quality"] = "passed" if summary.quality_passed else "failed"
+    if summary.costliest_layers:
+        tags["quality.costliest_layers"] = ",".join(summary.costliest_layers)
     # The run's description in MLflow's UI, and a column of the runs view: the verdict, then
     # the whole error where the verdict shows only its first line.
     tags["mlflow.note.content"] = summary.verdict()

@@ -35,9 +35,12 @@ def run(
     shapes: Sequence[LiveShape],
     goldens: Goldens,
     tolerances: Tolerances,
+    observe: Callable[[str, Sequence[torch.Tensor]], None] = lambda key, outputs: None,
 ) -> Report:
+    """The artifact judged at every planned shape (or KV-cache session step); `observe(label,
+    outputs)` is handed its outputs at each."""
     if goldens.sessions:
-        return _sessions(output_names, load, shapes, goldens, tolerances)
+        return _sessions(output_names, load, shapes, goldens, tolerances, observe)
     order = executions(shapes)
     log.info(
         "[validate] %d live shapes (%s), %d executions, %s",
@@ -54,7 +57,9 @@ def run(
         return load()
 
     with _progress(len(order), "run") as after_each:
-        return verdict.run(output_names, load_alone, shapes, order, goldens, tolerances, after_each)
+        return verdict.run(
+            output_names, load_alone, shapes, order, goldens, tolerances, after_each, observe
+        )
 
 
 @contextlib.contextmanager
@@ -83,6 +88,7 @@ def _sessions(
     shapes: Sequence[LiveShape],
     goldens: Goldens,
     tolerances: Tolerances,
+    observe: Callable[[str, Sequence[torch.Tensor]], None],
 ) -> Report:
     """A model with a KV cache: its sessions on one loaded instance, every step run and the
     sampled ones judged, then the greedy generation (runtimes/verdict/sessions.py)."""
@@ -96,6 +102,7 @@ def _sessions(
     )
 
     def judged(outputs: Sequence[torch.Tensor], shape: LiveShape) -> tuple:
+        observe(label(shape), outputs)
         return judge(output_names, outputs, shape, goldens, tolerances)
 
     with _progress(len(shapes), "step") as after_each:

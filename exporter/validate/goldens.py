@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
+from exporter.quantize.verdict import Measuring
 from exporter.validate import quantized_layers
 from exporter.validate.oracle import float64_weights
 from runtimes.verdict.compare import EagerError, reference_error
@@ -35,14 +36,37 @@ def compute(
     }
     cases = {key: (case, _oracle(bundle.module, key, case)) for key, case in inputs.items()}
     logits = tuple(name in bundle.logits_outputs for name in bundle.output_names)
-    reference, output_dtypes = _reference(bundle.module, cases, reference_device, logits)
+    unquantized, measuring = _unquantized(bundle, inputs, logits)
+    reference, output_dtypes = _reference(bundle.module, cases, reference_device, logits, measuring)
     if quantized_layers.has_dynamic_activations(bundle.module):
         reference = _with_rounding_band(bundle.module, cases, reference, logits)
     kept = {
         key: (case, [stored(e, dtype) for e, dtype in zip(expected, output_dtypes, strict=True)])
         for key, (case, expected) in cases.items()
     }
-    return Goldens(kept, output_dtypes, reference, reference_device, logits)
+    quality = {"eager": measuring.to_json()} if measuring else {}
+    return Goldens(
+        kept,
+        output_dtypes,
+        reference,
+        reference_device,
+        logits,
+        unquantized=unquantized,
+        quality=quality,
+    )
+
+
+def _unquantized(
+    bundle: ModelBundle, inputs: dict[str, Inputs], logits: tuple[bool, ...]
+) -> tuple[dict[str, torch.Tensor], Measuring | None]:
+    """A quantized model with next-token logits: the float model's float64 logits per case (its
+    first logits output), and what measures eager's quality against them; else nothing."""
+    if bundle.unquantized is None or True not in logits:
+        return {}, None
+    index = logits.index(True)
+    float_module = bundle.unquantized.module
+    unquantized = {key: _oracle(float_module, key, case)[index] for key, case in inputs.items()}
+    return unquantized, Measuring(unquantized, index)
 
 
 def _oracle(
@@ -131,10 +155,11 @@ def _reference(
     cases: dict[str, tuple[Inputs, list[torch.Tensor]]],
     device: str,
     logits: tuple[bool, ...],
+    measuring: Measuring | None = None,
 ) -> tuple[dict[str, list[EagerError]], tuple[torch.dtype, ...]]:
     """Eager at the model's dtype on `device`, judged against the oracle, with the predictions
-    of the outputs that are `logits`; the module returns to the CPU after, where export reads
-    it."""
+    of the outputs that are `logits` (and their quality, where `measuring`); the module returns
+    to the CPU after, where export reads it."""
     reference = {}
     output_dtypes: tuple[torch.dtype, ...] = ()
     try:
@@ -142,6 +167,8 @@ def _reference(
             for key, (inputs, golden) in cases.items():
                 outputs = _run(on_device, [t.to(device) for t in inputs])
                 output_dtypes = tuple(output.dtype for output in outputs)
+                if measuring is not None:
+                    measuring.add(key, outputs)
                 reference[key] = [
                     reference_error(output.cpu(), expected, is_logits)
                     for output, expected, is_logits in zip(outputs, golden, logits, strict=True)

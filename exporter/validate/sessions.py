@@ -2,7 +2,9 @@
 their judged steps, eager at the model's dtype running the same sessions with the same cache,
 and a greedy generation by both (runtimes/verdict/sessions.py runs and judges the artifact),
 from validate.prompt where it is set (a user's turn in the checkpoint's chat template, with the
-tokenizer kept so the generations can be read as text).
+tokenizer kept so the generations can be read as text). A quantized model's goldens add the float
+model's float64 logits at the judged steps, eager's quality against them, the float model's
+greedy tokens and, with the checkpoint's tokenizer, the perplexity of both models on a text.
 
 The oracle is the model without a cache (`Decoder.uncached`): one float64 call over a whole
 session's tokens gives the logits of every position, since a causal LM's logits at a position
@@ -20,6 +22,8 @@ import torch
 
 from exporter.errors import ConfigError, GoldensFailed
 from exporter.models import Decoder, DynamicDim, ModelBundle
+from exporter.quantize import quality
+from exporter.quantize.verdict import Measuring
 from exporter.validate import quantized_layers
 from exporter.validate.goldens import moved_to, wider
 from exporter.validate.oracle import float64_weights
@@ -32,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # The prompt of the greedy generation, at most: a chat turn's start.
 _PROMPT_TOKENS = 8
+# The text's tokens that perplexity is measured on, at most: a few hundred, as llama.cpp's
+# perplexity tool's chunks, and short enough for a 1B model's two eager calls.
+_PERPLEXITY_TOKENS = 256
 
 
 def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dict]:
@@ -85,8 +92,10 @@ def compute(
             start, count = shape["pos"], shape["seq"]
             expected = oracle[index][:, start : start + count]
             cases[label(shape)] = (sessions.step_inputs(session, shape), [expected])
+    unquantized = _unquantized(bundle, planned)
+    measuring = Measuring(unquantized, 0) if unquantized else None
     reference, dtype, eager_tokens = _reference(
-        bundle.module, planned, cases, reference_device, prompt, greedy_tokens
+        bundle.module, planned, cases, reference_device, prompt, greedy_tokens, measuring
     )
     if quantized_layers.has_dynamic_activations(decoder.uncached):
         reference = _with_rounding_band(decoder, planned, cases, reference)
@@ -105,6 +114,9 @@ def compute(
     kept = {
         key: (inputs, [stored(expected[0], dtype)]) for key, (inputs, expected) in cases.items()
     }
+    found = {}
+    if measuring is not None:
+        found = _quality(bundle, measuring, prompt, len(eager_tokens))
     return Goldens(
         kept,
         (dtype,),
@@ -113,6 +125,8 @@ def compute(
         (True,),
         sessions=tuple(planned),
         greedy=greedy,
+        unquantized=unquantized,
+        quality=found,
     )
 
 
@@ -138,6 +152,60 @@ def _with_rounding_band(
         largest,
     )
     return widened
+
+
+def _unquantized(bundle: ModelBundle, planned: list[dict]) -> dict[str, torch.Tensor]:
+    """A quantized model: the float model's float64 logits at every judged step, from its
+    model without a cache; nothing for a float model."""
+    if bundle.unquantized is None or bundle.unquantized.decoder is None:
+        return {}
+    float_decoder = bundle.unquantized.decoder
+    logits = {}
+    for index, session in enumerate(planned):
+        whole = _oracle(float_decoder, session["tokens"])
+        for shape in sessions.judged(index, session):
+            start, count = shape["pos"], shape["seq"]
+            logits[label(shape)] = whole[:, start : start + count]
+    return logits
+
+
+def _quality(
+    bundle: ModelBundle, measuring: Measuring, prompt: torch.Tensor, greedy_count: int
+) -> dict[str, Any]:
+    """What the goldens measure of quality: eager's against the float model at the judged steps,
+    the float model's greedy tokens (its float64 oracle's) after the prompt, and with the
+    checkpoint's tokenizer, both models' perplexity on a text and the quantized model's next-token
+    quality on it, both in eager at the model's dtype: the sessions' token ids are random, on
+    which a trained model's predictions are flatter than on text."""
+    assert bundle.unquantized is not None and bundle.unquantized.decoder is not None
+    assert bundle.decoder is not None
+    float_decoder = bundle.unquantized.decoder
+    found: dict[str, Any] = {
+        "eager": measuring.to_json(),
+        "greedy_float": _oracle_greedy(float_decoder, prompt, greedy_count),
+    }
+    if float_decoder.tokenizer is None:
+        return found
+    try:
+        tokenizer = float_decoder.tokenizer()
+    except ConfigError as error:
+        log.info("[goldens] no perplexity: %s", error)
+        return found
+    source, text = quality.text()
+    # No more positions than the model is exported for: a small model's may end before 256.
+    count = min(_PERPLEXITY_TOKENS, float_decoder.max_cache_len)
+    tokens = torch.tensor(tokenizer.encode(text)[:count], dtype=torch.long)
+
+    with torch.no_grad():
+        float_logits = float_decoder.uncached(tokens.unsqueeze(0))[0]
+        quantized_logits = bundle.decoder.uncached(tokens.unsqueeze(0))[0]
+    found["perplexity"] = quality.Perplexity(
+        source,
+        int(tokens.numel()),
+        quality.perplexity(float_logits, tokens),
+        quality.perplexity(quantized_logits, tokens),
+    ).to_json() | {"next_token": quality.next_token(float_logits, quantized_logits).to_json()}
+    return found
 
 
 def _oracle(decoder: Decoder, tokens: torch.Tensor, ties_flipped: bool = False) -> torch.Tensor:
@@ -206,11 +274,12 @@ def _reference(
     device: str,
     prompt: torch.Tensor,
     greedy_tokens: int,
+    measuring: Measuring | None = None,
 ) -> tuple[dict[str, list[EagerError]], torch.dtype, list[int]]:
     """Eager at the model's dtype on `device`, its cache a buffer of the module, running the
-    sessions as the artifact will: its error at every judged step, its logits' dtype, and its
-    greedy tokens after `prompt`. The module returns to the CPU after, where export reads
-    it."""
+    sessions as the artifact will: its error at every judged step (and its quality, where
+    `measuring`), its logits' dtype, and its greedy tokens after `prompt`. The module returns to
+    the CPU after, where export reads it."""
     reference: dict[str, list[EagerError]] = {}
     dtype = torch.float32
     slots = len(planned[0]["tokens"])
@@ -231,6 +300,8 @@ def _reference(
                     if label(shape) in cases:
                         expected = cases[label(shape)][1][0]
                         reference[label(shape)] = [reference_error(logits, expected, True)]
+                        if measuring is not None:
+                            measuring.add(label(shape), [logits])
             count = min(greedy_tokens, slots - prompt.shape[0])
             eager_tokens = sessions.greedy(call, prompt, count) if count else []
     except Exception as error:

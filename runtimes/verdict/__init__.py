@@ -29,10 +29,12 @@ def run(
     goldens: Goldens,
     tolerances: Tolerances,
     after_each: Callable[[int, Execution], None] = lambda number, execution: None,
+    observe: Callable[[str, Sequence[torch.Tensor]], None] = lambda key, outputs: None,
 ) -> Report:
     """Runs `executions`, the plan's `shapes` in the order runtimes/verdict/shapes.py gives
     them, on instances that `load` makes, judging each as it ends; `after_each(number,
-    execution)` is called after each, from 1."""
+    execution)` is called after each, from 1, and `observe(label, outputs)` is handed the
+    artifact's outputs (the job measures a quantized artifact's quality on them)."""
     instance = load()
     done = []
     for number, (shape, kind) in enumerate(executions, start=1):
@@ -51,6 +53,7 @@ def run(
             ) from error
         wall_ms = (time.perf_counter() - start) * 1e3
         stats = judge(output_names, outputs, shape, goldens, tolerances)
+        observe(label(shape), outputs)
         done.append(Execution(shape, kind, wall_ms, stats))
         after_each(number, done[-1])
     target = getattr(instance, "target", {})

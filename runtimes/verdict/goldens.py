@@ -6,7 +6,7 @@ goldens.py); a bundle carries their file to the target."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,13 @@ class Goldens:
     # The cases are then the sessions' judged steps, by their labels.
     sessions: tuple[dict, ...] = ()
     greedy: dict | None = None
+    # A quantized model: per case, the float model's float64 next-token logits (its first
+    # logits output), which the artifact's own are measured against for quality
+    # (exporter/quantize/verdict.py); and what the goldens measured of quality as plain data:
+    # the quantized model in eager, the perplexity of both on a text, the float model's greedy
+    # tokens. Empty for a float model.
+    unquantized: dict[str, torch.Tensor] = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)
 
     def is_logits(self, index: int) -> bool:
         return bool(self.logits) and self.logits[index]

@@ -46,6 +46,22 @@ class JobSummary:
     failed_shapes: list[str] = field(default_factory=list)
     # A model with a KV cache: its greedy generation beside eager's and the oracle's, in a line.
     greedy: str | None = None
+    # What failed validation: "fidelity" (the artifact against the model it was made from),
+    # "quality" (a quantized artifact against the float model), or both.
+    failed_on: str | None = None
+    # A quantized model: the artifact's quality against the float model (mean, p99 KL
+    # divergence in nats, top-1 agreement, mean drop of the float top token's probability),
+    # the perplexity ratio on a text where measured, its verdict, and the layers whose
+    # quantization costs the most (quantize.attribution), worst first.
+    quality_passed: bool | None = None
+    quality_kld_mean: float | None = None
+    quality_kld_p99: float | None = None
+    quality_top1: float | None = None
+    quality_prob_drop: float | None = None
+    quality_ppl_ratio: float | None = None
+    # The float model's greedy tokens beside the artifact's, in a line (a KV-cache model).
+    quality_greedy: str | None = None
+    costliest_layers: list[str] = field(default_factory=list)
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
@@ -143,6 +159,10 @@ class JobSummary:
                 summary.worst_error_ratio, summary.worst_error_ratio_at = worst
             if record.report.generation:
                 summary.greedy = record.report.generation.summary()
+        if record.quality:
+            _take_quality(summary, record)
+        if record.attribution:
+            summary.costliest_layers = record.attribution.worst_names()
         if record.weights_audit:
             found = record.weights_audit
             summary.weights_checked = len(found.checked)
@@ -201,13 +221,14 @@ class JobSummary:
             shapes = f" at all {self._judged()}" if self.shapes else ""
             tracking = "; its MLflow run was not written" if exit_code else ""
             return f"passed {code}{shapes}{tracking}"
+        on = f" ({self.failed_on})" if self.failed_on else ""
         if self.failed_stage == "validate" and self.failed_shapes:
             why = f"{len(self.failed_shapes)} of {self._judged()} failed: " + ", ".join(
                 self.failed_shapes
             )
         else:
             why = (self.error or "").split("\n", 1)[0]
-        return f"failed {code} at the {self.failed_stage} stage: {why}"
+        return f"failed {code} at the {self.failed_stage} stage{on}: {why}"
 
     def _judged(self) -> str:
         """What validation judged: `7 live shapes`, or `18 judged steps of 3 sessions` for a
@@ -225,6 +246,12 @@ class JobSummary:
             figures.append(
                 f"worst error ratio {self.worst_error_ratio:.3g} at {self.worst_error_ratio_at} "
                 "(artifact's error / eager's)"
+            )
+        if self.quality_kld_mean is not None:
+            ppl = f", perplexity x{self.quality_ppl_ratio:.3g}" if self.quality_ppl_ratio else ""
+            figures.append(
+                f"quality vs float: KLD {self.quality_kld_mean:.3g}, top-1 "
+                f"{self.quality_top1:.3g}{ppl}"
             )
         if speedups := self.speedup_range():
             figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
@@ -258,6 +285,38 @@ class JobSummary:
         payload = json.loads((folder / SUMMARY_FILE).read_text())
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+def _take_quality(summary: JobSummary, record: JobRecord) -> None:
+    """The quality verdict's figures, and what failed where validation failed."""
+    quality = record.quality
+    assert quality is not None
+    summary.quality_passed = quality.passed
+    if quality.artifact is not None:
+        summary.quality_kld_mean = quality.artifact.kld_mean
+        summary.quality_kld_p99 = quality.artifact.kld_p99
+        summary.quality_top1 = quality.artifact.top1
+        summary.quality_prob_drop = quality.artifact.prob_drop
+    if quality.perplexity is not None:
+        summary.quality_ppl_ratio = quality.perplexity["ratio"]
+    if quality.greedy is not None:
+        summary.quality_greedy = quality.greedy["line"]
+        if "text" in quality.greedy:
+            text = quality.greedy["text"]
+            summary.quality_greedy += f": float {text['float']!r}, artifact {text['artifact']!r}"
+    if summary.failed_stage != "validate":
+        return
+    fidelity_failed = not (
+        record.report is not None
+        and record.report.passed
+        and (record.weights_audit is None or record.weights_audit.passed)
+    )
+    failed = [
+        name
+        for name, bad in (("fidelity", fidelity_failed), ("quality", not quality.passed))
+        if bad
+    ]
+    summary.failed_on = " and ".join(failed) or None
 
 
 def collect(sweep_dir: Path) -> list[JobSummary]:

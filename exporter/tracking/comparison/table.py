@@ -20,11 +20,17 @@ HTML_FILE = "comparison.html"
 COLUMNS = (
     "status",
     "failed_stage",
+    "failed_on",
     "worst_max_abs_err",
     "worst_nrmse",
     "worst_error_ratio",
     "weights_mismatched",
     "diverged_at",
+    "quality_kld_mean",
+    "quality_kld_p99",
+    "quality_top1",
+    "quality_prob_drop",
+    "quality_ppl_ratio",
     "latency_at_min_ms",
     "latency_at_max_ms",
     "worst_speedup_vs_eager",
@@ -51,6 +57,7 @@ TERMINAL_WIDTH = 120
 TERMINAL_COLUMNS = (
     ("stage", "failed_stage"),
     ("ratio", "worst_error_ratio"),
+    ("KLD", "quality_kld_mean"),
     ("speedup", "speedup_range"),
     ("s", "total_s"),
     ("max_abs", "worst_max_abs_err"),
@@ -59,6 +66,8 @@ TERMINAL_COLUMNS = (
     ("delegated", "delegated_fraction"),
     ("cache", "cache_hit"),
 )
+# The terminal's columns of a quantized model's figures, shown where a job has them.
+_QUALITY_COLUMNS = ("quality_kld_mean",)
 # The characters of a failed job's error that a terminal's table keeps at least.
 _ERROR_WIDTH = 36
 
@@ -113,7 +122,9 @@ def text(summaries: Sequence[JobSummary], width: int = TERMINAL_WIDTH) -> str:
     errors = [_first_line(row[index["error"]]) for row in table]
     # The reason a job failed says more than its figures: they make room for it.
     reserved = _ERROR_WIDTH + 2 if any(errors) else 0
-    columns = list(TERMINAL_COLUMNS)
+    # A sweep of float models has no quality to show: its column would only take room.
+    quantized = any(summary.quality_kld_mean is not None for summary in summaries)
+    columns = [c for c in TERMINAL_COLUMNS if quantized or c[1] not in _QUALITY_COLUMNS]
     while True:
         shown = leading + [name for name, _ in columns]
         cells = [
