@@ -2,7 +2,8 @@
 user runs it, since CI has no GPU and a CUDA path can break unseen.
 
     python tests/gpu_check.py    # the tiny llama: eager and aoti on cuda, float32 and bfloat16,
-                                 # without a KV cache and with a static one
+                                 # without a KV cache and with a static one; and int4_weight
+                                 # quantized through aoti in bfloat16
     python tests/gpu_check.py --models llama,llama_1b --webgpu-bundle PATH/bundle
 
 Each case is one job (`python -m exporter ... backend.device=cuda mlflow=off`): it must exit 0,
@@ -40,6 +41,7 @@ class Case:
     backend: str
     dtype: str
     kv_cache: str = "none"
+    quantize: str = "none"
     device: str = "cuda"
     # What was seen: the job's exit code, its report's verdict and worst ratio, the audit's
     # counts, the benchmark's speedup range, where the artifact's greedy tokens part from
@@ -59,7 +61,8 @@ class Case:
     @property
     def name(self) -> str:
         cache = "" if self.kv_cache == "none" else f"-kv_{self.kv_cache}"
-        return f"{self.model}{cache}-{self.backend}-{self.device}-{self.dtype}"
+        quantized = "" if self.quantize == "none" else f"-{self.quantize}"
+        return f"{self.model}{cache}{quantized}-{self.backend}-{self.device}-{self.dtype}"
 
     @property
     def passed(self) -> bool:
@@ -76,6 +79,7 @@ def run_job(case: Case, work: Path) -> None:
         f"model.dtype={case.dtype}",
         f"model.num_key_value_heads={HEADS[case.model]}",
         f"model.kv_cache={case.kv_cache}",
+        f"quantize={case.quantize}",
         f"backend={case.backend}",
         f"backend.device={case.device}",
         "mlflow=off",
@@ -237,6 +241,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backends", default="eager,aoti")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kv-caches", default="none,static", help="model.kv_cache values")
+    parser.add_argument(
+        "--quantize",
+        default="int4_weight",
+        help="comma-separated quantize schemes, each one more case per model: aoti, bfloat16, "
+        "no KV cache ('' for none)",
+    )
     parser.add_argument("--webgpu-bundle", type=Path, help="a WebGPU bundle to check on Vulkan")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gpu-check"))
     args = parser.parse_args(argv)
@@ -253,6 +263,11 @@ def main(argv: list[str]) -> int:
         for kv_cache in args.kv_caches.split(",")
         for backend in args.backends.split(",")
         for dtype in args.dtypes.split(",")
+    ]
+    cases += [
+        Case(model, "aoti", "bfloat16", quantize=scheme)
+        for model in args.models.split(",")
+        for scheme in filter(None, args.quantize.split(","))
     ]
     for case in cases:
         run_job(case, args.out)

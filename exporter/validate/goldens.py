@@ -186,9 +186,14 @@ def moved_to(module: torch.nn.Module, device: str) -> Iterator[torch.nn.Module]:
     """`module` on `device` for the length of the block, back on the CPU after, where export
     reads it. Moved only where it is elsewhere: a quantized weight that the exported program
     still holds cannot be swapped for a copy, even one on the same device."""
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    if first is None or first.device == torch.device(device):
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    if not tensors or tensors[0].device == torch.device(device):
         yield module
+        return
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        # torchao's quantized weights move by swapping the tensor object, which fails while the
+        # exported program holds a reference to it; a copy's are held by nothing else.
+        yield copy.deepcopy(module).to(device)
         return
     try:
         yield module.to(device)
