@@ -34,6 +34,9 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
 
+WEIGHT_ONLY = ("int4_weight", "int8_weight")
+
+
 def compositions() -> dict[tuple[str, ...], list[str]]:
     """The overrides that choose each option, with the options each composition chooses.
     `dynamic` follows the model as conf/config.yaml has it: `model=mlp` chooses `dynamic=mlp`
@@ -45,6 +48,9 @@ def compositions() -> dict[tuple[str, ...], list[str]]:
                 overrides: tuple[str, ...] = (f"model={option}",)
             elif group == "dynamic":
                 overrides = ("model=custom", f"dynamic={option}")
+            elif group == "quantize" and option in WEIGHT_ONLY:
+                # XNNPACK computes weight-only layers wrong: the default backend refuses them.
+                overrides = (f"{group}={option}", "backend=aoti")
             else:
                 overrides = (f"{group}={option}",)
             chosen.setdefault(overrides, []).append(f"{group}={option}")

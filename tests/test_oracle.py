@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from exporter.validate import oracle
+from exporter.validate import quantized_layers
 from exporter.validate.oracle import float64_weights
 
 
@@ -72,7 +72,7 @@ def test_a_linear_layer_widened_in_slices_of_rows_gives_the_float64_layers_outpu
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # 100 rows of 64 inputs in slices of 24 rows: five slices, the last one short.
-    monkeypatch.setattr(oracle, "_SLICE_ELEMENTS", 24 * 64)
+    monkeypatch.setattr(quantized_layers, "SLICE_ELEMENTS", 24 * 64)
     torch.manual_seed(3)
     layer = torch.nn.Linear(64, 100).to(torch.bfloat16)
     x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
