@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from exporter import audit, benchmark, config, export, localize, models, validate
+from exporter import audit, benchmark, config, export, localize, models, quantize, validate
 from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
@@ -210,9 +210,6 @@ class _Sequence:
             produced.weight_bytes = models.weight_bytes(bundle.module)
             model_material = cache_keys.model(job)
         if job.quantize.enabled:
-            # Imported only here: torchao is a quantized job's library alone.
-            from exporter import quantize
-
             with self.timed("quantize"):
                 scales = self.backend.group_scales
                 bundle = quantize.quantized(bundle, job.quantize, scales)
@@ -789,8 +786,6 @@ def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Pat
     log.info("[localize] exporting the model: the job validated a given artifact")
     bundle = models.build(job.model, job.dynamic, backend.llm_ops)
     if job.quantize.enabled:
-        from exporter import quantize
-
         bundle = quantize.quantized(bundle, job.quantize, backend.group_scales)
     return export.run(bundle, job.export.on_failure, work_dir)
 

@@ -76,9 +76,9 @@ def quantized(
     bundle = copy.deepcopy(bundle)
     skipped = frozenset(cfg.skip)
     if cfg.scheme is not QuantScheme.none:
-        quantize_(bundle.module, _linear_config(cfg), filter_fn=_linear_filter(skipped))
+        quantize_(bundle.module, linear_config(cfg), filter_fn=_linear_filter(skipped))
     if cfg.embedding is not EmbeddingQuant.none:
-        quantize_(bundle.module, _embedding_config(cfg), filter_fn=_embedding_filter(skipped))
+        quantize_(bundle.module, embedding_config(cfg), filter_fn=_embedding_filter(skipped))
     if group_scales is not None:
         for weight in _per_group(bundle.module):
             weight.scale.copy_(weight.scale.to(getattr(torch, group_scales)))
@@ -120,7 +120,9 @@ def _per_group(module: torch.nn.Module) -> list[IntxUnpackedToInt8Tensor]:
     return list(weights.values())
 
 
-def _linear_config(cfg: QuantizeConfig) -> object:
+def linear_config(cfg: QuantizeConfig) -> object:
+    """torchao's configuration of `cfg`'s scheme for a linear layer (attribution applies it to
+    one layer at a time)."""
     group = PerGroup(cfg.group_size)
     channel = PerAxis(0)
     if cfg.scheme is QuantScheme("8da4w"):
@@ -136,7 +138,8 @@ def _linear_config(cfg: QuantizeConfig) -> object:
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=group)
 
 
-def _embedding_config(cfg: QuantizeConfig) -> IntxWeightOnlyConfig:
+def embedding_config(cfg: QuantizeConfig) -> IntxWeightOnlyConfig:
+    """torchao's configuration of `cfg.embedding` for the token embedding's table."""
     if cfg.embedding is EmbeddingQuant.int8:
         return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size))

@@ -23,7 +23,7 @@ from torchao.quantization import quantize_
 
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models import ModelBundle
-from exporter.quantize import _embedding_config, _linear_config
+from exporter.quantize import embedding_config, linear_config
 from exporter.quantize.quality import NextToken, PerPosition, per_position
 from runtimes.verdict.goldens import Goldens
 
@@ -121,9 +121,9 @@ def _quantizable(
         if name in skipped:
             continue
         if isinstance(layer, torch.nn.Linear) and cfg.scheme is not QuantScheme.none:
-            chosen.append((name, layer, _linear_config(cfg)))
+            chosen.append((name, layer, linear_config(cfg)))
         elif isinstance(layer, torch.nn.Embedding) and cfg.embedding is not EmbeddingQuant.none:
-            chosen.append((name, layer, _embedding_config(cfg)))
+            chosen.append((name, layer, embedding_config(cfg)))
     return chosen
 
 
