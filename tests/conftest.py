@@ -38,8 +38,9 @@ CONF_DIR = PROJECT_ROOT / "conf"
 # xdist's loadfile hands a worker the next file whenever its queue runs low, in the order they
 # were collected (pyproject turns off xdist's own order, by number of tests, which put the files
 # of a few long jobs last: one worker ran test_verdicts.py alone for the suite's last minutes).
-# The files whose jobs take minutes go first, about longest first by the 566-test run's
-# `--durations` (25 s to 4 min each), so the last ones handed out are short.
+# The files whose jobs take minutes go first, about longest first by a run's `--durations`, so
+# the last ones handed out are short: the default suite's (25 s to 4 min each) and, for
+# `-m slow`, the slow tests' (1 to 8 min each).
 LONGEST_FILES = (
     "test_fallback.py",
     "test_cli.py",
@@ -66,10 +67,22 @@ LONGEST_FILES = (
     "test_aoti.py",
     "test_export_failures.py",
 )
+LONGEST_SLOW_FILES = (
+    "test_quantize.py",
+    "test_hf_models.py",
+    "test_webgpu.py",
+    "test_slurm.py",
+    "test_sweep.py",
+    "test_mlflow_server.py",
+    "test_aoti.py",
+    "test_kv_artifacts.py",
+    "test_kv_backends.py",
+)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    place = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest = LONGEST_SLOW_FILES if config.getoption("markexpr") == "slow" else LONGEST_FILES
+    place = {name: rank for rank, name in enumerate(longest)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))
 
 

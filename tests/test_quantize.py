@@ -205,7 +205,10 @@ def test_fidelity_sees_xnnpacks_bfloat16_scales_against_torchaos_float32_ones(
 ) -> None:
     pte = on_xnnpack["8da4w"][0] / "model.pte"
     torchaos = xnnpack(group_scales=None)
-    report = job_with(tmp_path, torchaos, "quantize=8da4w", f"artifact={pte}", *TINY)
+    # Localizing the failure is not what this proves (and took 5 of its 6 minutes).
+    report = job_with(
+        tmp_path, torchaos, "quantize=8da4w", f"artifact={pte}", "validate.localize=off", *TINY
+    )
     assert not report["passed"]
     # A systematic error (the issue measured 8.6e-3 on a 2-layer model), not one flip: it fails
     # at most shapes (where the rounding band holds a flip, it may hide below it).
