@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -78,9 +79,30 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+Lowering = Callable[..., tuple[Weights, Artifact]]
+
+
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Weights, Artifact]:
-    return lowered(tmp_path_factory.mktemp("llama"), "backend=executorch", *ONE_LAYER)
+def lowerings(tmp_path_factory: pytest.TempPathFactory) -> Lowering:
+    """`lowered` of the overrides, each made once for this module's tests: a lowering costs
+    8 to 20 s, and the tests that change an artifact change a copy of it."""
+    made: dict[tuple[str, ...], tuple[Weights, Artifact]] = {}
+
+    def lowering(*overrides: str) -> tuple[Weights, Artifact]:
+        if overrides not in made:
+            made[overrides] = lowered(tmp_path_factory.mktemp("lowered"), *overrides)
+        return made[overrides]
+
+    return lowering
+
+
+WEBGPU_LLAMA = ("backend=webgpu", *ONE_LAYER)
+AOTI_LLAMA = ("backend=aoti", *ONE_LAYER)
+
+
+@pytest.fixture(scope="module")
+def llama(lowerings: Lowering) -> tuple[Weights, Artifact]:
+    return lowerings("backend=executorch", *ONE_LAYER)
 
 
 def test_an_untouched_pte_has_every_llama_weight_checked(
@@ -217,34 +239,35 @@ def test_external_weights_are_checked_by_name_in_the_ptd(
 
 
 def test_the_webgpu_payloads_weights_are_checked_and_a_scaled_one_named(
-    tmp_path: Path,
+    lowerings: Lowering, tmp_path: Path
 ) -> None:
-    weights, artifact = lowered(tmp_path, "backend=webgpu", "model=mlp")
+    weights, artifact = lowerings(*WEBGPU_LLAMA)
     result = audited(weights, artifact)
-    assert len(weights) == len(result.checked) == 6
+    assert len(weights) == len(result.checked) == 14
     assert result.passed and result.unseen == ()
     assert "Vulkan's named data" in result.read
-    hidden = weights["2.weight"]
-    path = rewritten(artifact.path, tmp_path / "scaled.pte", hidden, hidden * 2)
+    down = weights[DOWN_PROJ]
+    path = rewritten(artifact.path, tmp_path / "scaled.pte", down, down * 2)
     (mismatch,) = audited(weights, artifact, path).mismatched
-    assert (mismatch.parameter, mismatch.paired_by) == ("2.weight", "key")
-    assert mismatch.differing == mismatch.elements == 64 * 64
+    assert (mismatch.parameter, mismatch.paired_by) == (DOWN_PROJ, "key")
+    assert mismatch.differing == mismatch.elements == 64 * 128
 
 
-def test_the_aoti_packages_weights_are_checked_by_name_crc_or_not(tmp_path: Path) -> None:
-    weights, artifact = lowered(tmp_path, "backend=aoti", "model=mlp")
+def test_the_aoti_packages_weights_are_checked_by_name_crc_or_not(
+    lowerings: Lowering, tmp_path: Path
+) -> None:
+    weights, artifact = lowerings(*AOTI_LLAMA)
     result = audited(weights, artifact)
-    assert len(weights) == len(result.checked) == 6
-    assert result.passed and result.unseen == ()
+    assert result.passed and len(result.checked) == 12
     assert {c.how for c in result.checked} == {"exact"}
     # torch's loader runs a package whose weight changed after packaging (it checks no
     # CRC-32): the audit reads the changed bytes and names the weight.
-    bias = weights["4.bias"]
-    changed = bias.detach().clone()
-    changed[3] = 100.0
-    path = rewritten(artifact.path, tmp_path / "changed.pt2", bias, changed)
+    down = weights[DOWN_PROJ]
+    changed = down.detach().clone()
+    changed[3, 5] = 100.0
+    path = rewritten(artifact.path, tmp_path / "changed.pt2", down, changed)
     (mismatch,) = audited(weights, artifact, path).mismatched
-    assert (mismatch.parameter, mismatch.paired_by, mismatch.differing) == ("4.bias", "name", 1)
+    assert (mismatch.parameter, mismatch.paired_by, mismatch.differing) == (DOWN_PROJ, "name", 1)
 
 
 def test_the_eager_programs_weights_are_checked_by_name(
@@ -291,15 +314,15 @@ def test_a_file_that_is_no_program_is_reported_unread(
         (("backend=executorch", *ONE_LAYER, "backend.external_weights=true"), 14, 0),
         (("backend=executorch", "model=encoder"), 16, 0),
         (("backend=executorch", "model=moe"), 17, 0),
-        (("backend=webgpu", *ONE_LAYER), 14, 0),
+        (WEBGPU_LLAMA, 14, 0),
         # Inductor writes the rotary buffers (8 elements) into its kernels as literals.
-        (("backend=aoti", *ONE_LAYER), 12, 2),
+        (AOTI_LLAMA, 12, 2),
     ],
 )
 def test_untouched_artifacts_of_every_backend_pass(
-    tmp_path: Path, overrides: tuple[str, ...], checked: int, unseen: int
+    lowerings: Lowering, overrides: tuple[str, ...], checked: int, unseen: int
 ) -> None:
-    weights, artifact = lowered(tmp_path, *overrides)
+    weights, artifact = lowerings(*overrides)
     result = audited(weights, artifact)
     assert result.passed
     assert (len(result.checked), len(result.unseen)) == (checked, unseen)

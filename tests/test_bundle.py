@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import PROJECT_ROOT, CliResult, run_exporter
+from tests.conftest import PROJECT_ROOT, CliResult, job_in_process, run_exporter
 
 # What a bare target lacks: the check must run without any of them.
 NOT_ON_TARGET = "exporter,transformers,hydra,omegaconf,mlflow"
@@ -47,10 +47,10 @@ def mlp_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     return result
 
 
-def cache_of(job: CliResult) -> str:
-    """The override that makes a job use `job`'s cache: a job that differs from it only where
-    no cache key looks (tolerances, the bundle) reuses its export, goldens and lowering."""
-    return f"cache_dir={job.run_dir.parent / 'cache'}"
+def cache_of(job: CliResult) -> Path:
+    """`job`'s cache: a job that differs from it only where no cache key looks (tolerances, the
+    bundle) reuses its export, goldens and lowering."""
+    return job.run_dir.parent / "cache"
 
 
 @pytest.fixture
@@ -114,9 +114,10 @@ def test_an_executorch_bundle_checks_without_the_exporter_and_matches_the_job(
 
 
 def test_a_webgpu_bundle_checks_on_lavapipe_without_executorch(tmp_path: Path) -> None:
-    job = run_exporter(tmp_path, "model=rms_norm", "backend=webgpu", "benchmark=off", "mlflow=off")
-    assert job.exit_code == 0, job.output
-    bundle = job.run_dir / "bundle"
+    # The job in this process: what the test runs as a command is the check.
+    record, report = job_in_process(tmp_path / "run", "model=rms_norm", "backend=webgpu")
+    assert record.error is None, record.error
+    bundle = tmp_path / "run" / "bundle"
 
     completed = check(bundle, tmp_path / "report.json", blocked=NOT_ON_WEBGPU_TARGET)
 
@@ -127,7 +128,7 @@ def test_a_webgpu_bundle_checks_on_lavapipe_without_executorch(tmp_path: Path) -
     assert "llvmpipe" in checked["target"]["adapter"]
     assert checked["check"]["source"]["run_id"] is None
     assert sorted(checked["check"]["packages"]) == ["flatbuffers", "numpy", "torch", "wgpu"]
-    assert per_shape(checked, "max_abs") == pytest.approx(per_shape(job.report(), "max_abs"))
+    assert per_shape(checked, "max_abs") == pytest.approx(per_shape(report, "max_abs"))
 
 
 def test_a_changed_artifact_is_refused_naming_it(copied: Path, tmp_path: Path) -> None:
@@ -186,32 +187,30 @@ def test_a_failed_job_still_bundles_and_its_check_fails_alike(
     mlp_job: CliResult, tmp_path: Path
 ) -> None:
     """Tolerances the mlp cannot meet (factor 1 and no floor: its ratio is 2.6 at batch=1)."""
-    job = run_exporter(
-        tmp_path, "model=mlp", "benchmark=off", "mlflow=off", "validate.factor=1",
-        "validate.floor=0", "validate.localize=off", cache_of(mlp_job),
+    record, report = job_in_process(
+        tmp_path / "run", "model=mlp", "validate.factor=1", "validate.floor=0",
+        "validate.localize=off", cache_dir=cache_of(mlp_job),
     )  # fmt: skip
-    assert job.exit_code == 1, job.output
+    assert record.error is not None and record.error.exit_code == 1, record.error
 
-    completed = check(job.run_dir / "bundle", tmp_path / "report.json")
+    completed = check(tmp_path / "run" / "bundle", tmp_path / "report.json")
 
     assert completed.returncode == 1
     assert "FAILED: " in completed.stdout
     assert "The smallest validate.factor that would pass them all is" in completed.stdout
     checked = json.loads((tmp_path / "report.json").read_text())
     verdicts = [shape["passed"] for shape in checked["shapes"]]
-    assert verdicts == [shape["passed"] for shape in job.report()["shapes"]]
+    assert verdicts == [shape["passed"] for shape in report["shapes"]]
     assert False in verdicts
 
 
 def test_external_weights_travel_in_the_bundle_which_writes_its_goldens_without_the_cache(
     tmp_path: Path,
 ) -> None:
-    job = run_exporter(
-        tmp_path, "model=mlp", "backend.external_weights=true", "cache=off", "benchmark=off",
-        "mlflow=off",
-    )  # fmt: skip
-    assert job.exit_code == 0, job.output
-    bundle = job.run_dir / "bundle"
+    # With no cache_dir, the job runs with cache=false.
+    record, _report = job_in_process(tmp_path / "run", "model=mlp", "backend.external_weights=true")
+    assert record.error is None, record.error
+    bundle = tmp_path / "run" / "bundle"
     assert sorted(p.name for p in bundle.iterdir()) == [
         "goldens.pt",
         "manifest.json",
@@ -227,12 +226,12 @@ def test_external_weights_travel_in_the_bundle_which_writes_its_goldens_without_
 
 
 def test_bundle_off_writes_none(mlp_job: CliResult, tmp_path: Path) -> None:
-    job = run_exporter(
-        tmp_path, "model=mlp", "bundle=off", "benchmark=off", "mlflow=off", cache_of(mlp_job)
+    record, report = job_in_process(
+        tmp_path / "run", "model=mlp", "bundle=off", cache_dir=cache_of(mlp_job)
     )
-    assert job.exit_code == 0, job.output
-    assert not (job.run_dir / "bundle").exists()
-    assert "bundle" not in job.report()
+    assert record.error is None, record.error
+    assert not (tmp_path / "run" / "bundle").exists()
+    assert "bundle" not in report
 
 
 def test_a_report_that_cannot_be_written_is_exit_2_naming_where(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CliResult, run_exporter
+from tests.conftest import CliResult, job_in_process, run_exporter
 
 # One decoder layer: where the weights go does not depend on how many layers hold them.
 LLAMA = ("model=llama", "model.num_hidden_layers=1")
@@ -44,22 +44,35 @@ def test_the_cache_entry_holds_both_files(llama_job: CliResult) -> None:
     assert set(json.loads(manifest.read_text())["files"]) >= {"model.pte", "model.ptd"}
 
 
-def test_a_given_pte_validates_with_the_ptd_beside_it(
-    llama_job: CliResult, exporter_cli: Callable[..., CliResult], tmp_path: Path
-) -> None:
+def cache_of(job: CliResult) -> Path:
+    """The job's cache: a job given its artifact takes the goldens from there."""
+    return job.run_dir.parent / "cache"
+
+
+def test_a_given_pte_validates_with_the_ptd_beside_it(llama_job: CliResult, tmp_path: Path) -> None:
     # Named otherwise than the job wrote them: the runtime looks for the .pte's own name.
     shutil.copy(llama_job.run_dir / "model.pte", tmp_path / "weights.pte")
     shutil.copy(llama_job.run_dir / "model.ptd", tmp_path / "weights.ptd")
-    result = exporter_cli(*LLAMA, f"artifact={tmp_path / 'weights.pte'}", "mlflow=off")
-    assert result.exit_code == 0, result.output
-    assert "passed at all 7 live shapes" in result.output
+    record, report = job_in_process(
+        tmp_path / "run",
+        *LLAMA,
+        f"artifact={tmp_path / 'weights.pte'}",
+        cache_dir=cache_of(llama_job),
+    )
+    assert record.error is None, record.error
+    assert report["passed"] and len(report["shapes"]) == 7
 
 
 def test_a_pte_without_its_ptd_is_a_runtime_error_naming_it(
     llama_job: CliResult, exporter_cli: Callable[..., CliResult], tmp_path: Path
 ) -> None:
     shutil.copy(llama_job.run_dir / "model.pte", tmp_path / "model.pte")
-    result = exporter_cli(*LLAMA, f"artifact={tmp_path / 'model.pte'}", "mlflow=off")
+    result = exporter_cli(
+        *LLAMA,
+        f"artifact={tmp_path / 'model.pte'}",
+        "mlflow=off",
+        f"cache_dir={cache_of(llama_job)}",
+    )
     assert result.exit_code == 5, result.output
     assert f"must lie beside it as model.ptd, and {tmp_path / 'model.ptd'} does not exist" in (
         result.output

@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import CliResult, run_exporter
-from tests.test_audit import DOWN_PROJ, EMBED, rewritten, tokens_validation_draws
+from tests.test_audit import DOWN_PROJ, EMBED, lowered, rewritten, tokens_validation_draws
 
 # One decoder layer: a weight of it is as much the artifact's as any; each lowering (the job's,
 # then the search's) costs less.
@@ -19,25 +18,33 @@ LLAMA = ("model=llama", "model.num_hidden_layers=1")
 
 @pytest.fixture(scope="module")
 def lowered_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A Llama job's model.pte and the weights of its exported program."""
-    workdir = tmp_path_factory.mktemp("llama")
-    result = run_exporter(workdir, *LLAMA, "benchmark=off", "mlflow=off")
-    assert result.exit_code == 0, result.output
-    program = torch.export.load(result.run_dir / "program.pt2")
-    return result.run_dir / "model.pte", {**program.state_dict, **program.constants}
+    """The Llama's model.pte and the weights of its exported program: exported and lowered in
+    this process, as a job's export and lower stages do (the commands below are the tests'
+    subject, not this one's job, whose process start and validation would cost ~20 s)."""
+    weights, artifact = lowered(tmp_path_factory.mktemp("llama"), "backend=executorch", *LLAMA)
+    return artifact.path, weights
 
 
-def validated(workdir: Path, artifact: Path) -> CliResult:
-    return run_exporter(workdir, *LLAMA, f"artifact={artifact}", "benchmark=off")
+@pytest.fixture(scope="module")
+def goldens_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for both commands: they validate the same model at the same shapes, so the
+    second takes the first's goldens."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def validated(workdir: Path, artifact: Path, cache: Path) -> CliResult:
+    return run_exporter(
+        workdir, *LLAMA, f"artifact={artifact}", "benchmark=off", f"cache_dir={cache}"
+    )
 
 
 def test_a_layer_scaled_after_lowering_is_named_and_not_reproduced_by_lowering(
-    lowered_llama: tuple[Path, dict], tmp_path: Path
+    lowered_llama: tuple[Path, dict], goldens_cache: Path, tmp_path: Path
 ) -> None:
     pte, weights = lowered_llama
     down = weights[DOWN_PROJ]
     tampered = rewritten(pte, tmp_path / "tampered.pte", down, down * 2)
-    result = validated(tmp_path, tampered)
+    result = validated(tmp_path, tampered, goldens_cache)
 
     assert result.exit_code == 1, result.output
     report = result.report()
@@ -60,7 +67,7 @@ def test_a_layer_scaled_after_lowering_is_named_and_not_reproduced_by_lowering(
 
 
 def test_an_embedding_row_no_input_reads_fails_the_job_through_the_audit(
-    lowered_llama: tuple[Path, dict], tmp_path: Path
+    lowered_llama: tuple[Path, dict], goldens_cache: Path, tmp_path: Path
 ) -> None:
     pte, weights = lowered_llama
     embed = weights[EMBED]
@@ -69,7 +76,8 @@ def test_an_embedding_row_no_input_reads_fails_the_job_through_the_audit(
     row = max(set(range(vocabulary)) - drawn)
     corrupted = embed.detach().clone()
     corrupted[row] += 3.0
-    result = validated(tmp_path, rewritten(pte, tmp_path / "corrupted.pte", embed, corrupted))
+    corrupted_pte = rewritten(pte, tmp_path / "corrupted.pte", embed, corrupted)
+    result = validated(tmp_path, corrupted_pte, goldens_cache)
 
     assert result.exit_code == 1, result.output
     report = result.report()
