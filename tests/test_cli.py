@@ -14,9 +14,10 @@ from mlflow.tracking import MlflowClient
 
 from exporter import config, models
 from exporter.models import DynamicDim
+from exporter.tracking.record import JobRecord
 from exporter.validate.plan import plan
 from runtimes.verdict.shapes import label
-from tests.conftest import CONF_DIR, CliResult, run_exporter
+from tests.conftest import CONF_DIR, CliResult, job_in_process, run_exporter
 
 
 def metric_steps(result: CliResult, run_id: str, key: str) -> list[int]:
@@ -183,27 +184,42 @@ def test_native_log_lines_go_to_the_run_dirs_native_log_not_the_terminal(
         assert native in (mlp_job.run_dir / "native.log").read_text()
 
 
+# One decoder layer: what is proved is the planned sizes, and lowering costs ~11 s a layer.
+LLAMA = ("model=llama", "model.num_hidden_layers=1")
+
+
+@pytest.fixture(scope="module")
+def llama_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store and cache of the Llama's jobs: the command that lowers it again finds its
+    program and artifact in the cache."""
+    return tmp_path_factory.mktemp("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_job(llama_workdir: Path) -> tuple[JobRecord, dict, Path]:
+    """The Llama on executorch, its stages run in this process (what they compute is the
+    point; mlp_job proves what a command logs of them): its record, report.json and run dir."""
+    run_dir = llama_workdir / "in-process"
+    record, report = job_in_process(run_dir, *LLAMA, cache_dir=llama_workdir / "cache")
+    return record, report, run_dir
+
+
 def test_llama_on_executorch_matches_eager_at_every_planned_size(
-    exporter_cli: Callable[..., CliResult],
+    llama_job: tuple[JobRecord, dict, Path],
 ) -> None:
-    # One decoder layer: what is proved is the planned sizes, and lowering costs ~11 s a layer.
-    result = exporter_cli("model=llama", "model.num_hidden_layers=1", "backend=executorch")
-    assert result.exit_code == 0, result.output
-    (logits,) = run_pte(result.run_dir / "model.pte", torch.randint(0, 512, (1, 9)))
+    record, report, run_dir = llama_job
+    assert record.exit_code == 0, record.error
+    (logits,) = run_pte(run_dir / "model.pte", torch.randint(0, 512, (1, 9)))
     assert logits.shape == (1, 9, 512)
-    (run,) = result.mlflow_runs()
-    assert run.info.status == "FINISHED"
-    sizes = planned(result, "seq")
+    sizes = [entry["shape"]["seq"] for entry in report["shapes"]]
     assert {1, 2, 65, 127, 128} <= set(sizes)
     seq = DynamicDim("seq", (("input_ids", 1),), 1, 128)
     assert sizes == [shape["seq"] for shape in plan([seq], [], 2, seed=0)]
-    assert metric_steps(result, run.info.run_id, "max_abs_err") == sizes
-    report = result.report()
     assert report["passed"]
     executions = [(e["shape"]["seq"], e["instance"]) for e in report["executions"]]
     down_and_up = sizes[::-1] + sizes[1:]
     assert executions == [(size, "same instance") for size in down_and_up] + [(1, "new instance")]
-    assert run.data.metrics["worst_max_abs_err"] < 1e-4
+    assert max(entry["max_abs"] for entry in report["shapes"]) < 1e-4
 
 
 def test_weights_perturbed_after_lowering_fail_validation(
@@ -258,10 +274,12 @@ def test_an_artifact_the_runtime_cannot_load_exits_5(
 
 
 def test_strict_fallback_fails_lowering_and_lists_the_ops_left_outside(
-    exporter_cli: Callable[..., CliResult],
+    llama_job: tuple[JobRecord, dict, Path], llama_workdir: Path
 ) -> None:
-    result = exporter_cli("model=llama", "model.num_hidden_layers=1", "fallback=strict")
+    # The in-process job's cache: strict partitions as auto does, so lowering is reused.
+    result = run_exporter(llama_workdir, *LLAMA, "fallback=strict")
     assert_user_error(result, 4, "fallback=strict", "outside the XNNPACK delegate", "aten.")
+    assert "cache] hit: lower" in result.output
     assert closing_lines(result.output)[0].startswith(
         "[job] FAILED (exit 4) at the lower stage: fallback=strict: "
     )

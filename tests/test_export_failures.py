@@ -10,7 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from exporter.export import Diagnosis
-from tests.conftest import CliResult
+from tests.conftest import CliResult, job_in_process
 
 MODELS = Path(__file__).with_name("failing_models.py")
 
@@ -126,21 +126,33 @@ def test_on_failure_draft_goes_on_with_the_draft_program_tagged_as_such(
     assert result.report()["passed"]
 
 
+# What export and validation compute, in the test's process: it skips a job process's start.
 def test_unbacked_dims_export_without_a_size_hint_and_validate_like_backed_ones(
-    exporter_cli: Callable[..., CliResult],
+    tmp_path: Path,
 ) -> None:
-    result = exporter_cli("model=mlp", "backend=eager", "dynamic.batch.mode=unbacked")
-    assert result.exit_code == 0, result.output
-    program = torch.export.load(result.run_dir / "program.pt2")
+    record, report = job_in_process(
+        tmp_path, "model=mlp", "backend=eager", "dynamic.batch.mode=unbacked"
+    )
+    assert record.exit_code == 0, record.error
+    program = torch.export.load(tmp_path / "program.pt2")
     ranges = {str(symbol): (r.lower, r.upper) for symbol, r in program.range_constraints.items()}
     assert ranges == {"u0": (1, 64)}
-    assert [s["shape"]["batch"] for s in result.report()["shapes"]] == [1, 2, 33, 50, 54, 63, 64]
+    assert report["passed"]
+    assert [s["shape"]["batch"] for s in report["shapes"]] == [1, 2, 33, 50, 54, 63, 64]
 
 
 def test_llama_with_an_unbacked_seq_is_told_which_library_line_guards_on_it(
     exporter_cli: Callable[..., CliResult],
 ) -> None:
-    result = exporter_cli("model=llama", "dynamic.seq.mode=unbacked", "backend=eager")
+    # One decoder layer: the first guards on seq as each of them would. No MLflow run is judged
+    # here: the job's process starts without importing MLflow.
+    result = exporter_cli(
+        "model=llama",
+        "model.num_hidden_layers=1",
+        "dynamic.seq.mode=unbacked",
+        "backend=eager",
+        "mlflow=off",
+    )
     assert result.exit_code == 3, result.output
     (failure,) = export_report(result)["failures"]
     assert failure["kind"] == "data-dependent error"

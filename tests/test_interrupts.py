@@ -109,8 +109,9 @@ def test_a_worker_killed_while_lowering_fails_the_run_at_lower(tmp_path: Path) -
 def test_a_worker_that_segfaults_shows_its_last_words_and_keeps_them_in_native_log(
     tmp_path: Path,
 ) -> None:
+    # No MLflow run is judged here: the job's process starts without importing MLflow.
     exit_code, output = stopped_in_lowering(
-        tmp_path, lambda process: os.kill(worker_of(process), signal.SIGSEGV)
+        tmp_path, lambda process: os.kill(worker_of(process), signal.SIGSEGV), "mlflow=off"
     )
     assert exit_code == 4, output
     assert "the job's process crashed (SIGSEGV) during the lower stage" in output
