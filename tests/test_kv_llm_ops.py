@@ -17,6 +17,7 @@ from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
 from exporter.localize.node_values import node_values
 from exporter.models.causal_lm import LlmOpsCacheLM
+from exporter.tracking.record import JobRecord
 from runtimes import load
 from runtimes.loaders.executorch import operator_calls
 from runtimes.verdict.sessions import Cache
@@ -37,10 +38,23 @@ def lowered(out_dir: Path, *overrides: str) -> Path:
     return backend.lower(exported, out_dir).path
 
 
+@pytest.fixture(scope="module")
+def two_layer_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, JobRecord, dict]:
+    """A job of the small model with two layers and the LLM ops, in this process: its run dir
+    (with its .pte), record and report. One lowering serves the tests of the .pte and of the
+    sessions."""
+    run_dir = tmp_path_factory.mktemp("llm_ops")
+    record, report = job_in_process(
+        run_dir, "backend=executorch", *SMALL, "model.num_hidden_layers=2"
+    )
+    return run_dir, record, report
+
+
 def test_each_layer_writes_keys_and_values_with_update_cache_and_attends_with_custom_sdpa(
-    tmp_path: Path,
+    two_layer_job: tuple[Path, JobRecord, dict],
 ) -> None:
-    pte = lowered(tmp_path, "model.num_hidden_layers=2")
+    run_dir, _, _ = two_layer_job
+    pte = run_dir / "model.pte"
     calls = operator_calls(pte)
     # Per layer: one write of its keys, one of its values, one attention over the cache.
     assert calls[UPDATE_CACHE] == 4
@@ -58,8 +72,10 @@ def test_llm_ops_plain_keeps_transformers_cache_writes(tmp_path: Path) -> None:
     assert calls["aten::index_put.out"] == 2
 
 
-def test_sessions_to_the_last_slot_pass_with_the_llm_ops(tmp_path: Path) -> None:
-    record, report = job_in_process(tmp_path, "backend=executorch", *SMALL)
+def test_sessions_to_the_last_slot_pass_with_the_llm_ops(
+    two_layer_job: tuple[Path, JobRecord, dict],
+) -> None:
+    _, record, report = two_layer_job
     assert record.error is None
     steps = [e["shape"] for e in report["executions"]]
     assert {s["session"] for s in steps if s["pos"] == 15} == {0, 1}
