@@ -15,6 +15,7 @@ from executorch.runtime import Runtime
 from exporter import backends, export, models
 from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
+from exporter.export import Exported
 from exporter.localize.node_values import node_values
 from exporter.models.causal_lm import LlmOpsCacheLM
 from exporter.tracking.record import JobRecord
@@ -122,12 +123,18 @@ def test_the_ops_are_part_of_the_models_cache_key() -> None:
     assert custom != plain == eager
 
 
-def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
-    # Their kernels take float32 and the halves: the float64 run of a node (the search's
-    # oracle of it) runs their stand-ins, which agree with the model's own float32 values.
+@pytest.fixture(scope="module")
+def exported_with_llm_ops(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """The small model's exported program with the LLM ops, which two tests read."""
     job = composed("backend=executorch", *SMALL)
     bundle = models.build(job.model, job.dynamic, LlmOps.custom)
-    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    return export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("exported"))
+
+
+def test_the_search_runs_the_llm_ops_in_float64(exported_with_llm_ops: Exported) -> None:
+    # Their kernels take float32 and the halves: the float64 run of a node (the search's
+    # oracle of it) runs their stand-ins, which agree with the model's own float32 values.
+    program = exported_with_llm_ops.program
     ops = [n.name for n in program.graph.nodes if str(n.target).startswith("llama.")]
     assert len(ops) == 3
     values = node_values(program, (torch.arange(9).unsqueeze(0), torch.arange(9)), ops)
@@ -136,13 +143,10 @@ def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
     assert torch.allclose(wide, narrow.double(), atol=1e-5)
 
 
-def test_the_eager_program_decodes_at_the_last_slot(tmp_path: Path) -> None:
+def test_the_eager_program_decodes_at_the_last_slot(exported_with_llm_ops: Exported) -> None:
     # Export's reasoning (a dynamic length of 2 or more) would otherwise assert in the eager
     # program that no call starts at the last slot (the job's benchmark times eager there).
-    job = composed("backend=executorch", *SMALL)
-    bundle = models.build(job.model, job.dynamic, LlmOps.custom)
-    path = export.run(bundle, job.export.on_failure, tmp_path).path
-    cache = Cache(load(path, "eager"), slots=16)
+    cache = Cache(load(exported_with_llm_ops.path, "eager"), slots=16)
     cache.call(torch.zeros(1, 15, dtype=torch.long), 0)
     (logits,) = cache.call(torch.zeros(1, 1, dtype=torch.long), 15)
     assert logits.shape == (1, 1, 512) and bool(torch.isfinite(logits).all())

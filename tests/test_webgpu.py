@@ -203,6 +203,7 @@ def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(
     # and SDPA's decomposition stayed on the CPU, between five delegates of the default two
     # layers. One layer has the same mask and attention and lowers in about half the time. The
     # job's own .pte, loaded here: a lowering of its own would double this file's longest work.
+    assert llama_job.exit_code == 0, llama_job.output[-3000:]
     partition = json.loads((llama_job.run_dir / "partition.json").read_text())
     assert partition["delegates"] == 1
     assert partition["ops_outside"] == {}
