@@ -180,7 +180,7 @@ def test_a_failed_check_is_a_failed_run(checked: Checked, attached: Attached) ->
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "failed (exit code 1)" in completed.stdout
     sha = hashlib.sha256(strict.report_path.read_bytes()).hexdigest()
-    (child,) = [r for r in checked.children() if r.data.tags["target.report_sha256"] == sha]
+    (child,) = [r for r in checked.children() if r.data.tags.get("target.report_sha256") == sha]
     assert child.info.status == "FAILED"
     assert (child.data.tags["status"], child.data.tags["exit_code"]) == ("failed", "1")
     assert child.data.metrics["worst_error_ratio"] > 1
