@@ -74,12 +74,15 @@ def lowered(
 
 
 @pytest.fixture(scope="module")
-def pte(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return lowered(tmp_path_factory.mktemp("right"), "executorch").path
+def one_slot_off_pte(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The .pte of the small model whose cache writes land one slot off."""
+    return lowered(tmp_path_factory.mktemp("planted"), "executorch", one_slot_off).path
 
 
-def test_the_pte_carries_the_metadata_llm_runners_read(pte: Path) -> None:
-    program = Runtime.get().load_program(pte)
+def test_the_pte_carries_the_metadata_llm_runners_read(one_slot_off_pte: Path) -> None:
+    # The metadata comes from the model's config and the lowering, which the planted cache
+    # write leaves as they are: the planted .pte serves, and this file lowers the model once.
+    program = Runtime.get().load_program(one_slot_off_pte)
     read = {
         name: list(program.load_method(name).execute([]))
         for name in program.method_names
@@ -99,12 +102,17 @@ def test_the_pte_carries_the_metadata_llm_runners_read(pte: Path) -> None:
     }
 
 
-def test_a_cache_write_one_slot_off_fails_at_the_first_prefill(tmp_path: Path) -> None:
+def test_a_cache_write_one_slot_off_fails_at_the_first_prefill(
+    one_slot_off_pte: Path, tmp_path: Path
+) -> None:
     """Slot 0 is never written: the very first call, a prefill of one token, attends to an
     empty slot."""
-    pte = lowered(tmp_path / "planted", "executorch", one_slot_off).path
     record, report = job_in_process(
-        tmp_path / "run", "backend=executorch", *SMALL, f"artifact={pte}", "validate.localize=off"
+        tmp_path,
+        "backend=executorch",
+        *SMALL,
+        f"artifact={one_slot_off_pte}",
+        "validate.localize=off",
     )
     assert record.exit_code == 1
     assert report["first_failed_step"] == {"session": 0, "pos": 0, "seq": 1}

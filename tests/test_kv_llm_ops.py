@@ -15,8 +15,10 @@ from executorch.runtime import Runtime
 from exporter import backends, export, models
 from exporter.cache import keys
 from exporter.config import DimBounds, KvCache, LlmOps
+from exporter.export import Exported
 from exporter.localize.node_values import node_values
 from exporter.models.causal_lm import LlmOpsCacheLM
+from exporter.tracking.record import JobRecord
 from runtimes import load
 from runtimes.loaders.executorch import operator_calls
 from runtimes.verdict.sessions import Cache
@@ -37,10 +39,23 @@ def lowered(out_dir: Path, *overrides: str) -> Path:
     return backend.lower(exported, out_dir).path
 
 
+@pytest.fixture(scope="module")
+def two_layer_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, JobRecord, dict]:
+    """A job of the small model with two layers and the LLM ops, in this process: its run dir
+    (with its .pte), record and report. One lowering serves the tests of the .pte and of the
+    sessions."""
+    run_dir = tmp_path_factory.mktemp("llm_ops")
+    record, report = job_in_process(
+        run_dir, "backend=executorch", *SMALL, "model.num_hidden_layers=2"
+    )
+    return run_dir, record, report
+
+
 def test_each_layer_writes_keys_and_values_with_update_cache_and_attends_with_custom_sdpa(
-    tmp_path: Path,
+    two_layer_job: tuple[Path, JobRecord, dict],
 ) -> None:
-    pte = lowered(tmp_path, "model.num_hidden_layers=2")
+    run_dir, _, _ = two_layer_job
+    pte = run_dir / "model.pte"
     calls = operator_calls(pte)
     # Per layer: one write of its keys, one of its values, one attention over the cache.
     assert calls[UPDATE_CACHE] == 4
@@ -58,8 +73,10 @@ def test_llm_ops_plain_keeps_transformers_cache_writes(tmp_path: Path) -> None:
     assert calls["aten::index_put.out"] == 2
 
 
-def test_sessions_to_the_last_slot_pass_with_the_llm_ops(tmp_path: Path) -> None:
-    record, report = job_in_process(tmp_path, "backend=executorch", *SMALL)
+def test_sessions_to_the_last_slot_pass_with_the_llm_ops(
+    two_layer_job: tuple[Path, JobRecord, dict],
+) -> None:
+    _, record, report = two_layer_job
     assert record.error is None
     steps = [e["shape"] for e in report["executions"]]
     assert {s["session"] for s in steps if s["pos"] == 15} == {0, 1}
@@ -106,12 +123,18 @@ def test_the_ops_are_part_of_the_models_cache_key() -> None:
     assert custom != plain == eager
 
 
-def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
-    # Their kernels take float32 and the halves: the float64 run of a node (the search's
-    # oracle of it) runs their stand-ins, which agree with the model's own float32 values.
+@pytest.fixture(scope="module")
+def exported_with_llm_ops(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """The small model's exported program with the LLM ops, which two tests read."""
     job = composed("backend=executorch", *SMALL)
     bundle = models.build(job.model, job.dynamic, LlmOps.custom)
-    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    return export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("exported"))
+
+
+def test_the_search_runs_the_llm_ops_in_float64(exported_with_llm_ops: Exported) -> None:
+    # Their kernels take float32 and the halves: the float64 run of a node (the search's
+    # oracle of it) runs their stand-ins, which agree with the model's own float32 values.
+    program = exported_with_llm_ops.program
     ops = [n.name for n in program.graph.nodes if str(n.target).startswith("llama.")]
     assert len(ops) == 3
     values = node_values(program, (torch.arange(9).unsqueeze(0), torch.arange(9)), ops)
@@ -120,13 +143,10 @@ def test_the_search_runs_the_llm_ops_in_float64(tmp_path: Path) -> None:
     assert torch.allclose(wide, narrow.double(), atol=1e-5)
 
 
-def test_the_eager_program_decodes_at_the_last_slot(tmp_path: Path) -> None:
+def test_the_eager_program_decodes_at_the_last_slot(exported_with_llm_ops: Exported) -> None:
     # Export's reasoning (a dynamic length of 2 or more) would otherwise assert in the eager
     # program that no call starts at the last slot (the job's benchmark times eager there).
-    job = composed("backend=executorch", *SMALL)
-    bundle = models.build(job.model, job.dynamic, LlmOps.custom)
-    path = export.run(bundle, job.export.on_failure, tmp_path).path
-    cache = Cache(load(path, "eager"), slots=16)
+    cache = Cache(load(exported_with_llm_ops.path, "eager"), slots=16)
     cache.call(torch.zeros(1, 15, dtype=torch.long), 0)
     (logits,) = cache.call(torch.zeros(1, 1, dtype=torch.long), 15)
     assert logits.shape == (1, 1, 512) and bool(torch.isfinite(logits).all())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from exporter.config import MlflowConfig
 from exporter.tracking import runs as tracking
-from tests.conftest import PROJECT_ROOT, run_sweep
+from tests.conftest import PROJECT_ROOT, empty_store, run_sweep, tracking_uri_in
 from tests.mlflow_ui import CHROMIUM, browse_sweep, serve_mlflow
 
 # Kept after the test, for a person to look at: outputs/ is the project's, and git-ignored.
@@ -28,6 +29,13 @@ DESCRIPTION = "attributes.`Description`"
 # The address `mlflow ui` serves at by default, and the `exporter` experiment's id in a store
 # that jobs created.
 README_SERVER, README_EXPERIMENT = "http://127.0.0.1:5000", "1"
+
+
+def made_store_in(folder: Path) -> str:
+    """The tracking URI of a store in `folder` whose tables are made and which holds no
+    experiment of the project's yet: making the tables is no part of what these tests prove."""
+    shutil.copyfile(empty_store(), folder / "mlflow.db")
+    return tracking_uri_in(folder)
 
 
 def shown_as_logged(cells: dict[str, str], run: Run) -> None:
@@ -118,7 +126,7 @@ def test_the_readme_gives_the_link_that_opens_the_runs_view() -> None:
 def test_each_job_writes_the_runs_view_on_its_experiment_until_it_is_current(
     tmp_path: Path,
 ) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = made_store_in(tmp_path)
     cfg = MlflowConfig(
         enabled=True, tracking_uri=uri, artifact_location=str(tmp_path / "mlartifacts")
     )
@@ -143,7 +151,7 @@ def test_each_job_writes_the_runs_view_on_its_experiment_until_it_is_current(
 def test_an_experiment_made_without_a_kind_becomes_a_model_development_one(
     tmp_path: Path,
 ) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = made_store_in(tmp_path)
     files = str(tmp_path / "mlartifacts")
     client = MlflowClient(uri)
     untagged = client.create_experiment("untagged", artifact_location=files)

@@ -26,7 +26,14 @@ from exporter.job import outputs
 from exporter.tracking import runs as tracking
 from exporter.tracking.comparison import JobSummary
 from exporter.tracking.record import JobRecord
-from tests.conftest import CONF_DIR, PROJECT_ROOT, command_line, mlflow_runs, tracking_uri_in
+from tests.conftest import (
+    CONF_DIR,
+    PROJECT_ROOT,
+    command_line,
+    empty_store,
+    mlflow_runs,
+    tracking_uri_in,
+)
 
 # Both jobs name their run dir alike, as two jobs of the same second do by default.
 SAME_NAME = "mlp-eager"
@@ -209,6 +216,8 @@ def test_a_partial_file_in_the_run_dir_is_not_logged(tmp_path: Path) -> None:
     write_bytes(run_dir / "report.json", b"{}")
     # What a writer still writing (or killed mid-write) leaves beside the job's files.
     (run_dir / ".partial-1234-latency_vs_size.png").write_bytes(b"half")
+    # A store with its tables made, as every job's but a store's first finds it.
+    shutil.copyfile(empty_store(), tmp_path / "mlflow.db")
     store = tracking.open_store(
         MlflowConfig(
             enabled=True,

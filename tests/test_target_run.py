@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -51,12 +52,12 @@ def _parent(run: Run) -> str | None:
     return run.data.tags.get(MLFLOW_PARENT_RUN_ID)
 
 
-def run_job_and_check(workdir: Path, name: str, *overrides: str) -> Checked:
+def run_job_and_check(workdir: Path, name: str) -> Checked:
     """A job in `workdir/name`, then `python -m runtimes.check` of its bundle, in processes of
     their own."""
     run_dir = workdir / name
     before = {r.info.run_id for r in mlflow_runs(tracking_uri_in(workdir))}
-    job = run_command(workdir, f"hydra.run.dir={run_dir}", *MLP_JOB, *overrides)
+    job = run_command(workdir, f"hydra.run.dir={run_dir}", *MLP_JOB)
     (job_run,) = [r for r in mlflow_runs(tracking_uri_in(workdir)) if r.info.run_id not in before]
     assert (run_dir / "bundle").is_dir(), job.stdout + job.stderr
     return check(workdir, job_run, run_dir / "bundle", name)
@@ -166,14 +167,20 @@ def test_attaching_a_report_again_makes_no_second_run(checked: Checked, attached
     assert child.info.run_id in before
 
 
-def test_a_failed_check_is_a_failed_run(workdir: Path, checked: Checked) -> None:
-    # Some shapes' errors are up to 2.6 times eager's at float32: factor 1 fails them.
-    strict = run_job_and_check(workdir, "strict", "validate.factor=1", "validate.floor=0")
+def test_a_failed_check_is_a_failed_run(checked: Checked, attached: Attached) -> None:
+    # The job's bundle under a stricter rule, which a target judges by as the manifest gives it:
+    # some shapes' errors are up to 2.6 times eager's at float32, and factor 1 fails them.
+    bundle = Path(shutil.copytree(checked.bundle, checked.workdir / "strict-bundle"))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["tolerances"].update(factor=1.0, floor=0.0)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    strict = check(checked.workdir, checked.job_run, bundle, "strict")
     assert strict.check_exit_code == 1
     completed = track(f"report={strict.report_path}")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "failed (exit code 1)" in completed.stdout
-    (child,) = strict.children()
+    sha = hashlib.sha256(strict.report_path.read_bytes()).hexdigest()
+    (child,) = [r for r in checked.children() if r.data.tags.get("target.report_sha256") == sha]
     assert child.info.status == "FAILED"
     assert (child.data.tags["status"], child.data.tags["exit_code"]) == ("failed", "1")
     assert child.data.metrics["worst_error_ratio"] > 1

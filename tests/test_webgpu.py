@@ -26,7 +26,10 @@ from runtimes.loaders.webgpu import adapter, memory_plan
 from runtimes.loaders.webgpu.kernels.base import Gpu, GpuTensor, UnsupportedOp
 from runtimes.loaders.webgpu.kernels.reduction import Reduction
 from runtimes.loaders.webgpu.program import InputOutOfBounds, WebgpuProgram
-from tests.conftest import CONF_DIR, SweepResult, run_exporter, run_sweep
+from tests.conftest import CONF_DIR, CliResult, SweepResult, run_exporter, run_sweep
+
+# The Llama of the fast tests' job: one layer has the default's mask and attention.
+ONE_LAYER_LLAMA = ("model=llama", "model.num_hidden_layers=1")
 
 
 @cache
@@ -193,15 +196,21 @@ def test_ops_kept_off_by_the_policy_run_on_the_cpu_between_delegates(tmp_path: P
         assert (got - eager(bundle, inputs)).abs().max().item() < 1e-5
 
 
-def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(tmp_path: Path) -> None:
+def test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu(
+    llama_job: CliResult,
+) -> None:
     # Without the rewrites of exporter/backends/common/xnnpack_rewrites.py the boolean causal mask
     # and SDPA's decomposition stayed on the CPU, between five delegates of the default two
-    # layers. One layer has the same mask and attention and lowers in about half the time.
-    bundle, artifact = lowered(tmp_path, "model=llama", "model.num_hidden_layers=1")
-    assert artifact.partition is not None
-    assert artifact.partition.delegates == 1
-    assert artifact.partition.ops_outside() == {}
-    program = WebgpuProgram(artifact.path, "cpu")
+    # layers. One layer has the same mask and attention and lowers in about half the time. The
+    # job's own .pte, loaded here: a lowering of its own would double this file's longest work.
+    assert llama_job.exit_code == 0, llama_job.output[-3000:]
+    partition = json.loads((llama_job.run_dir / "partition.json").read_text())
+    assert partition["delegates"] == 1
+    assert partition["ops_outside"] == {}
+    job = composed(*ONE_LAYER_LLAMA)
+    # Seeded as the job's: the same weights.
+    bundle = models.build(job.model, job.dynamic)
+    program = WebgpuProgram(llama_job.run_dir / "model.pte", "cpu")
     (delegate,) = program.delegates
     for seq in (128, 1, 77):
         inputs = bundle.make_inputs({"seq": seq}, seq)
@@ -283,13 +292,19 @@ def assert_passed_on_lavapipe(job_dir: Path, output: str, delegated_whole: bool 
         assert partition["delegated_fraction"] == 1.0
 
 
-def test_a_one_layer_llama_job_passes_at_every_live_shape_on_lavapipe(tmp_path: Path) -> None:
-    result = run_exporter(
-        tmp_path, "model=llama", "model.num_hidden_layers=1", "backend=webgpu", "benchmark=off"
+@pytest.fixture(scope="module")
+def llama_job(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
+    """The one-layer Llama through the command, as a user runs it: its run dir holds the .pte
+    that test_llama_lowers_to_one_delegate_its_causal_mask_built_on_the_gpu loads."""
+    return run_exporter(
+        tmp_path_factory.mktemp("llama"), *ONE_LAYER_LLAMA, "backend=webgpu", "benchmark=off"
     )
-    assert result.exit_code == 0, result.output
-    assert_passed_on_lavapipe(result.run_dir, result.output)
-    (run,) = result.mlflow_runs()
+
+
+def test_a_one_layer_llama_job_passes_at_every_live_shape_on_lavapipe(llama_job: CliResult) -> None:
+    assert llama_job.exit_code == 0, llama_job.output
+    assert_passed_on_lavapipe(llama_job.run_dir, llama_job.output)
+    (run,) = llama_job.mlflow_runs()
     assert run.data.tags["target.adapter_backend"] == "Vulkan"
 
 
