@@ -1,11 +1,12 @@
-"""The verdict on half-precision causal LMs through the real command: what their next-token
-logits predict against the float64 oracle, beside eager's at the model's dtype (report.json,
-MLflow), and the default half rule, which passes a correct float16 artifact that the values
-alone fail and still fails a planted fault."""
+"""The verdict on half-precision causal LMs: what their next-token logits predict against the
+float64 oracle, beside eager's at the model's dtype (report.json, and MLflow and the terminal of
+the real command judging the artifact), and the default half rule, which passes a correct float16
+artifact that the values alone fail and still fails a planted fault."""
 
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,28 +17,61 @@ from exporter import config, models
 from runtimes import load
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.shapes import label
-from tests.conftest import CONF_DIR, CliResult, mlflow_runs, run_command, tracking_uri_in
+from tests.conftest import (
+    CONF_DIR,
+    CliResult,
+    job_in_process,
+    mlflow_runs,
+    run_command,
+    tracking_uri_in,
+)
 
-FLOAT16 = ("model.dtype=float16", "backend=executorch", "benchmark=off")
+FLOAT16 = ("model.dtype=float16", "backend=executorch")
 # One decoder layer: the verdict is on the logits, and lowering costs ~11 s a layer.
 FLOAT16_LLAMA = ("model=llama", "model.num_hidden_layers=1", *FLOAT16)
 
 
 def job(workdir: Path, name: str, *overrides: str) -> CliResult:
-    """One job of the test's store and cache, in a run dir of its own."""
+    """One command's job of the test's store and cache, in a run dir of its own."""
     run_dir = workdir / name
     completed: subprocess.CompletedProcess[str] = run_command(
-        workdir, f"hydra.run.dir={run_dir}", "validate.localize=off", *overrides
+        workdir, f"hydra.run.dir={run_dir}", "validate.localize=off", "benchmark=off", *overrides
     )
     output = completed.stdout + completed.stderr
     return CliResult(completed.returncode, output, run_dir, tracking_uri_in(workdir))
 
 
+@dataclass
+class Built:
+    """The float16 Llama's artifact, made by a job in the test's process into the cache that the
+    commands of `workdir` use: they judge it with the exported program and goldens it made."""
+
+    workdir: Path
+    run_dir: Path
+    report: dict
+
+    @property
+    def artifact(self) -> str:
+        return f"artifact={self.run_dir / 'model.pte'}"
+
+
 @pytest.fixture(scope="module")
-def float16_llama(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
-    built = job(tmp_path_factory.mktemp("half"), "built", *FLOAT16_LLAMA)
-    assert built.exit_code == 0, built.output
-    return built
+def float16_llama(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    workdir = tmp_path_factory.mktemp("half")
+    run_dir = workdir / "built"
+    record, report = job_in_process(run_dir, *FLOAT16_LLAMA, cache_dir=workdir / "cache")
+    assert record.exit_code == 0, record.error
+    return Built(workdir, run_dir, report)
+
+
+# Factor 1: any shape whose error exceeds eager's by a hair fails by its values alone.
+TIGHT = (*FLOAT16_LLAMA, "validate.factor=1", "validate.floor=0")
+
+
+@pytest.fixture(scope="module")
+def judged_by_distribution(float16_llama: Built) -> CliResult:
+    """The artifact judged by the command at factor 1, tracked to MLflow."""
+    return job(float16_llama.workdir, "distribution", *TIGHT, float16_llama.artifact)
 
 
 def _predictions(logits: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float]:
@@ -53,15 +87,14 @@ def _predictions(logits: torch.Tensor, golden: torch.Tensor) -> tuple[float, flo
 
 
 def test_the_report_and_mlflow_give_next_token_agreement_and_kl_as_computed_directly(
-    float16_llama: CliResult,
+    float16_llama: Built, judged_by_distribution: CliResult
 ) -> None:
-    report = float16_llama.report()
+    report = float16_llama.report
     goldens = stored_goldens.load(float16_llama.run_dir / "bundle")
     artifact = load(float16_llama.run_dir / "model.pte", "executorch", "cpu")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         composed = config.to_job(compose("config", list(FLOAT16_LLAMA)))
     eager = models.build(composed.model, composed.dynamic)
-    agreements = []
     for shape in report["shapes"]:
         inputs, (golden,) = goldens.cases[label(shape["shape"])]
         with torch.no_grad():
@@ -71,16 +104,24 @@ def test_the_report_and_mlflow_give_next_token_agreement_and_kl_as_computed_dire
             assert shape[f"{prefix}top1"] == pytest.approx(top1, abs=1e-12)
             assert shape[f"{prefix}kl_mean"] == pytest.approx(kl_mean, rel=1e-6)
             assert shape[f"{prefix}kl_max"] == pytest.approx(kl_max, rel=1e-6)
-        agreements.append(shape["top1"])
         # float16 rounding, not a changed prediction: far below a nat.
         assert 0 < shape["kl_mean"] < 1e-6
-    (run,) = mlflow_runs(float16_llama.tracking_uri)
-    assert run.data.metrics["worst_top1_agreement"] == min(agreements)
+    # The command that judged the same artifact on the same goldens reports the same figures,
+    # and logs them to its MLflow run.
+    judged = judged_by_distribution.report()["shapes"]
+    keys = ("shape", "top1", "kl_mean", "kl_max", "ref_top1", "ref_kl_mean", "ref_kl_max")
+    assert [{k: s[k] for k in keys} for s in judged] == [
+        {k: s[k] for k in keys} for s in report["shapes"]
+    ]
+    (run,) = mlflow_runs(judged_by_distribution.tracking_uri)
+    assert run.data.metrics["worst_top1_agreement"] == min(shape["top1"] for shape in judged)
     history = {
         metric.step: metric.value
-        for metric in run_history(float16_llama.tracking_uri, run.info.run_id, "ref_kl_mean")
+        for metric in run_history(
+            judged_by_distribution.tracking_uri, run.info.run_id, "ref_kl_mean"
+        )
     }
-    assert history == {shape["shape"]["seq"]: shape["ref_kl_mean"] for shape in report["shapes"]}
+    assert history == {shape["shape"]["seq"]: shape["ref_kl_mean"] for shape in judged}
 
 
 def run_history(tracking_uri: str, run_id: str, key: str) -> list:
@@ -90,13 +131,9 @@ def run_history(tracking_uri: str, run_id: str, key: str) -> list:
 
 
 def test_a_correct_float16_artifact_beyond_the_factor_passes_by_its_predictions_not_strictly(
-    float16_llama: CliResult,
+    float16_llama: Built, judged_by_distribution: CliResult
 ) -> None:
-    workdir = float16_llama.run_dir.parent
-    artifact = f"artifact={float16_llama.run_dir / 'model.pte'}"
-    # Factor 1: any shape whose error exceeds eager's by a hair fails by its values alone.
-    tight = (*FLOAT16_LLAMA, artifact, "validate.factor=1", "validate.floor=0")
-    passed = job(workdir, "distribution", *tight)
+    passed = judged_by_distribution
     assert passed.exit_code == 0, passed.output
     shapes = passed.report()["shapes"]
     by_distribution = [shape for shape in shapes if shape["by_distribution"]]
@@ -104,7 +141,9 @@ def test_a_correct_float16_artifact_beyond_the_factor_passes_by_its_predictions_
     assert all(float(shape["ratio"]) > 1 for shape in by_distribution)
     assert "predict the next token as eager does" in passed.output
 
-    strict = job(workdir, "strict", *tight, "validate.half=strict")
+    strict = job(
+        float16_llama.workdir, "strict", *TIGHT, float16_llama.artifact, "validate.half=strict"
+    )
     assert strict.exit_code == 1, strict.output
     failed = [shape for shape in strict.report()["shapes"] if not shape["passed"]]
     assert len(failed) == len(by_distribution)
@@ -116,19 +155,18 @@ def test_a_correct_float16_artifact_beyond_the_factor_passes_by_its_predictions_
 def test_a_float16_llama_whose_output_projection_is_scaled_by_1_01_still_fails(
     tmp_path: Path,
 ) -> None:
-    planted = job(
-        tmp_path,
-        "planted",
+    # In this process: the verdict is the point, and the command that states it is above.
+    record, report = job_in_process(
+        tmp_path / "planted",
         "model=custom",
         "model.factory=tests.failing_models:llama_scaled_when_exported",
         "+model.options.module=lm_head",
         "+model.options.layers=1",
         "dynamic=llama",
         *FLOAT16,
-        "mlflow=off",
+        "validate.localize=off",
     )
-    assert planted.exit_code == 1, planted.output
-    report = planted.report()
+    assert record.exit_code == 1, record.error
     assert report["weights_audit"]["mismatched"] == []
     shapes = report["shapes"]
     # Every top token may be eager's; the distributions are far beyond eager's own divergence.

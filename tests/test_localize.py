@@ -21,6 +21,7 @@ from exporter import config
 from exporter.localize import source_line
 from exporter.localize.cut import cut, tensor_nodes
 from exporter.localize.node_values import node_values
+from exporter.models import ModelBundle
 from tests.conftest import composed, job_in_process, run_exporter
 from tests.test_cli import assert_user_error
 
@@ -68,6 +69,18 @@ def wrong_below_the_bound(name: str, upper: int) -> Callable[[ExportedProgram], 
 
 
 @pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelBundle, ExportedProgram]:
+    """The default Llama and its exported program, exported once for the tests that read or cut
+    it: cuts copy the program, and the planted rewrites change copies of the cut parts."""
+    from exporter import export, models
+
+    job = config.to_job(composed("model=llama"))
+    bundle = models.build(job.model, job.dynamic)
+    exported = export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("llama"))
+    return bundle, exported.program
+
+
+@pytest.fixture(scope="module")
 def chain_program(tmp_path_factory: pytest.TempPathFactory) -> ExportedProgram:
     from exporter import export, models
 
@@ -90,16 +103,15 @@ def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: Exporte
     assert sorted(part.state_dict) == ["first.weight"]
 
 
-def test_a_cut_after_the_first_norm_keeps_nothing_after_it(tmp_path: Path) -> None:
+def test_a_cut_after_the_first_norm_keeps_nothing_after_it(
+    llama: tuple[ModelBundle, ExportedProgram],
+) -> None:
     """The default Llama casts in every norm and calls scaled_dot_product_attention, which torch
     counts as impure: neither keeps the later layers in a cut before them."""
-    from exporter import export, models
-
-    job = config.to_job(composed("model=llama"))
-    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
-    nodes = tensor_nodes(program.program)
-    norm = node_named(program.program, torch.ops.aten.rsqrt.default, "0.input_layernorm")
-    part = cut(program.program, [norm.name])
+    _, program = llama
+    nodes = tensor_nodes(program)
+    norm = node_named(program, torch.ops.aten.rsqrt.default, "0.input_layernorm")
+    part = cut(program, [norm.name])
     kept = [node.name for node in tensor_nodes(part)]
     assert len(kept) <= [node.name for node in nodes].index(norm.name) + 1
     assert sorted(part.state_dict) == ["model.model.embed_tokens.weight"]
@@ -267,16 +279,15 @@ def test_a_search_out_of_budget_still_ends_with_the_validation_verdict(tmp_path:
     assert run.data.tags["status"] == "failed"
 
 
-def test_a_search_out_of_budget_says_what_it_narrowed_down_to(tmp_path: Path) -> None:
+def test_a_search_out_of_budget_says_what_it_narrowed_down_to(
+    llama: tuple[ModelBundle, ExportedProgram], tmp_path: Path
+) -> None:
     """A backend whose lowering takes 40 ms a node: the first cut (the front sixteenth) runs,
     and the next, four times longer, would take the search past its second."""
-    from exporter import export, models
     from exporter.localize import Narrowed, Replay, localize
     from exporter.validate import Tolerances, goldens, judge
 
-    job = config.to_job(composed("model=llama"))
-    bundle = models.build(job.model, job.dynamic)
-    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    bundle, program = llama
     nodes = tensor_nodes(program)
     planted = node_named(program, torch.ops.aten.rsqrt.default, "1.post_attention_layernorm")
     rewrite = wrong_below_the_bound(planted.name, upper=128)
@@ -316,13 +327,12 @@ def test_a_search_out_of_budget_says_what_it_narrowed_down_to(tmp_path: Path) ->
     assert "budget hit:" in found.summary()
 
 
-def test_a_layers_source_line_is_the_models_call_not_torchs_forward(tmp_path: Path) -> None:
-    from exporter import export, models
-
-    job = config.to_job(composed("model=llama"))
-    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+def test_a_layers_source_line_is_the_models_call_not_torchs_forward(
+    llama: tuple[ModelBundle, ExportedProgram],
+) -> None:
+    _, program = llama
     linear = torch.ops.aten.linear.default
-    linears = [node for node in tensor_nodes(program.program) if node.target == linear]
+    linears = [node for node in tensor_nodes(program) if node.target == linear]
     # 7 projections in each of 2 layers, and the head.
     assert len(linears) == 15
     # The innermost frame is nn.Linear's forward, in torch; the line named is the model's call.
@@ -343,18 +353,15 @@ class _Module:
 
 
 def test_an_error_a_norms_mean_averages_under_the_floor_is_traced_above_it(
-    tmp_path: Path,
+    llama: tuple[ModelBundle, ExportedProgram], tmp_path: Path
 ) -> None:
     """A bug in the rotary embedding reaches the next norm at 2e-5 of its scale; the norm's
     mean averages that under the rule's floor (1e-5) and its rsqrt amplifies it past the rule
     again. The node named is the rotary mul, not the rsqrt whose inputs are within."""
-    from exporter import export, models
     from exporter.localize import Replay, localize
     from exporter.validate import Tolerances, goldens, judge
 
-    job = config.to_job(composed("model=llama"))
-    bundle = models.build(job.model, job.dynamic)
-    program = export.run(bundle, job.export.on_failure, tmp_path).program
+    bundle, program = llama
     rotary_mul = "mul_8"
     assert "apply_rotary_pos_emb" in source_line(
         next(n for n in tensor_nodes(program) if n.name == rotary_mul)

@@ -1,6 +1,6 @@
-"""The reference rule through the real command: a correct bfloat16 artifact passes where the
-absolute default fails it, and an artifact whose weights of one layer were scaled by 1.01 after
-lowering fails, in float32 and in bfloat16."""
+"""The reference rule: a correct bfloat16 artifact passes where the absolute default fails it, and
+an artifact whose weights of one layer were scaled by 1.01 after lowering fails, in float32
+(judged by the real command, which says what factor would pass) and in bfloat16."""
 
 from __future__ import annotations
 
@@ -67,24 +67,30 @@ def test_a_float32_llama_with_one_layer_scaled_by_1_01_fails_the_reference_rule(
 
 
 def test_bfloat16_a_correct_artifact_passes_where_atol_fails_and_a_scaled_head_fails(
-    exporter_cli: Callable[..., CliResult], tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    bf16 = (*LLAMA, "model.dtype=bfloat16", "backend=executorch", "mlflow=off")
-    artifact, report, cache = built_in_process(tmp_path, *bf16)
+    # In this process, all three jobs: the verdicts are the point, and the command that states
+    # one is the float32 test's.
+    bf16 = (*LLAMA, "model.dtype=bfloat16", "backend=executorch")
+    artifact, report, _ = built_in_process(tmp_path, *bf16)
     shapes = report["shapes"]
     # The artifact is as precise as eager bfloat16 (its error over eager's near 1), which is
     # far beyond the absolute default's atol.
     assert all(float(shape["ratio"]) < 1.5 for shape in shapes)
     assert min(float(shape["max_abs"]) for shape in shapes) > report["atol"]
 
-    absolute = exporter_cli(
-        *bf16, f"artifact={artifact}", "validate.rule=absolute", cache, *NO_SEARCH
-    )
-    assert absolute.exit_code == 1, absolute.output
+    def judged(name: str, *overrides: str) -> tuple[int, dict]:
+        record, report = job_in_process(
+            tmp_path / name, *bf16, *overrides, *NO_SEARCH, cache_dir=tmp_path / "cache"
+        )
+        return record.exit_code, report
+
+    absolute, _ = judged("absolute", f"artifact={artifact}", "validate.rule=absolute")
+    assert absolute == 1
 
     head = weight_of("model.lm_head.weight", *LLAMA, "model.dtype=bfloat16")
     tampered = scaled_copy(artifact, head, 1.01, tmp_path / "t.pte")
-    judged = exporter_cli(*bf16, f"artifact={tampered}", cache, *NO_SEARCH)
-    assert judged.exit_code == 1, judged.output
+    exit_code, report = judged("tampered", f"artifact={tampered}")
+    assert exit_code == 1
     # A 1% error in bfloat16 is about two of its roundings: twice eager's error, not more.
-    assert max(float(shape["ratio"]) for shape in judged.report()["shapes"]) > 1.5
+    assert max(float(shape["ratio"]) for shape in report["shapes"]) > 1.5
