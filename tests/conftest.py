@@ -53,7 +53,6 @@ LONGEST_FILES = (
     "test_wrong_kernels.py",
     "test_verdicts.py",
     "test_localize.py",
-    "test_mlflow_ui.py",
     "test_hf_models.py",
     "test_sweep.py",
     "test_interrupts.py",

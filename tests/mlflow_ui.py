@@ -17,6 +17,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlflow.entities import Run
 from playwright.sync_api import Page, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
@@ -32,10 +33,25 @@ RUN_NAME_CELL = '[col-id="attributes.`Run Name`"]'
 RUN_LINK = f'.ag-row {RUN_NAME_CELL} a[href*="/runs/"]'
 # The title of an experiment's page: "Runs", or "Overview" where the UI shows it as GenAI work.
 PAGE_TITLE = "main h2"
+# The runs table's columns that say how each job ended.
+STATUS = "tags.`status`"
+SPEEDUP = "metrics.`worst_speedup_vs_eager`"
+DESCRIPTION = "attributes.`Description`"
 # A run's Model metrics tab holds a card per metric, titled by the metric's name, its chart drawn
 # by Plotly, which keeps the plotted traces on the chart's element.
 CHART_CARD = '[data-testid="experiment-view-compare-runs-card"]'
 PLOTLY_CHART = ".js-plotly-plot"
+
+
+def shown_as_logged(cells: dict[str, str], run: Run) -> None:
+    """A run's row says what its run records: its status, its worst speedup over eager (the UI
+    prints a metric's shortest round-trip digits, as Python's repr does; `-` where there is
+    none) and the start of its description, which the UI clips with `...`."""
+    assert cells[STATUS] == run.data.tags["status"]
+    speedup = run.data.metrics.get("worst_speedup_vs_eager")
+    assert cells[SPEEDUP] == ("-" if speedup is None else repr(speedup).removesuffix(".0"))
+    description = run.data.tags["mlflow.note.content"].replace("\n", " ")
+    assert re.sub(r"\s+", " ", description).startswith(cells[DESCRIPTION].removesuffix("..."))
 
 
 @contextmanager

@@ -1,31 +1,20 @@
-"""The MLflow UI shows a real sweep: an MLflow server over the store the sweep filled, its
-experiment opened in headless Chromium as the README's link opens it, on its runs with the
-columns that say how each job ended, every job's run named by what the sweep varied, and a job's
-per-shape metric plotted against the live size."""
+"""What the MLflow UI opens on: the README's link, the runs view each job writes on its
+experiment (the columns that say how each job ended), and the experiment's kind. The UI itself
+on a real sweep, in headless Chromium, is tests/test_sweep.py's (it shares that file's sweep)."""
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
-import pytest
-from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from exporter.config import MlflowConfig
 from exporter.tracking import runs as tracking
-from tests.conftest import PROJECT_ROOT, empty_store, run_sweep, tracking_uri_in
-from tests.mlflow_ui import CHROMIUM, browse_sweep, serve_mlflow
+from tests.conftest import PROJECT_ROOT, empty_store, tracking_uri_in
+from tests.mlflow_ui import DESCRIPTION, SPEEDUP, STATUS
 
-# Kept after the test, for a person to look at: outputs/ is the project's, and git-ignored.
-SCREENSHOTS = PROJECT_ROOT / "outputs" / "e2e" / "mlflow-ui-sweep"
-# The per-shape metric whose chart a user looks for to compare backends.
-PER_SHAPE_METRIC = "speedup_vs_eager"
-STATUS = "tags.`status`"
-SPEEDUP = "metrics.`worst_speedup_vs_eager`"
-DESCRIPTION = "attributes.`Description`"
 # The address `mlflow ui` serves at by default, and the `exporter` experiment's id in a store
 # that jobs created.
 README_SERVER, README_EXPERIMENT = "http://127.0.0.1:5000", "1"
@@ -36,86 +25,6 @@ def made_store_in(folder: Path) -> str:
     experiment of the project's yet: making the tables is no part of what these tests prove."""
     shutil.copyfile(empty_store(), folder / "mlflow.db")
     return tracking_uri_in(folder)
-
-
-def shown_as_logged(cells: dict[str, str], run: Run) -> None:
-    """A run's row says what its run records: its status, its worst speedup over eager (the UI
-    prints a metric's shortest round-trip digits, as Python's repr does; `-` where there is
-    none) and the start of its description, which the UI clips with `...`."""
-    assert cells[STATUS] == run.data.tags["status"]
-    speedup = run.data.metrics.get("worst_speedup_vs_eager")
-    assert cells[SPEEDUP] == ("-" if speedup is None else repr(speedup).removesuffix(".0"))
-    description = run.data.tags["mlflow.note.content"].replace("\n", " ")
-    assert re.sub(r"\s+", " ", description).startswith(cells[DESCRIPTION].removesuffix("..."))
-
-
-@pytest.mark.browser
-def test_the_readmes_link_opens_a_sweep_on_its_runs_with_each_jobs_verdict_and_speedup(
-    tmp_path: Path,
-) -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium), "
-            "or deselect this test with -m 'not browser'."
-        )
-    # Two backends, each with a batch range that works and one that cannot (min 65 > max 64).
-    sweep = run_sweep(
-        tmp_path,
-        tmp_path / "sweep",
-        "model=mlp",
-        "backend=eager,executorch",
-        "dynamic.batch.min=1,65",
-    )
-    assert sweep.exit_code == 2, sweep.output
-    parent, children = sweep.parent_and_children()
-    names = [run.info.run_name for run in children]
-    assert names == [
-        "backend=eager dynamic.batch.min=1",
-        "backend=eager dynamic.batch.min=65",
-        "backend=executorch dynamic.batch.min=1",
-        "backend=executorch dynamic.batch.min=65",
-    ]
-    lowered = children[2]
-    client = MlflowClient(sweep.tracking_uri)
-    report = client.download_artifacts(lowered.info.run_id, "report.json", str(tmp_path))
-    live_sizes = [
-        entry["shape"]["batch"] for entry in json.loads(Path(report).read_text())["shapes"]
-    ]
-    history = client.get_metric_history(lowered.info.run_id, PER_SHAPE_METRIC)
-    logged = sorted((metric.step, metric.value) for metric in history)
-    assert [step for step, _ in logged] == live_sizes
-    experiment = client.get_experiment(parent.info.experiment_id)
-    assert experiment.tags[tracking.EXPERIMENT_KIND_TAG] == tracking.MODEL_DEVELOPMENT
-
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with serve_mlflow(sweep.tracking_uri, tmp_path) as base_url:
-        shown = browse_sweep(
-            tracking.runs_view_url(base_url, parent.info.experiment_id),
-            names,
-            lowered.info.run_name,
-            PER_SHAPE_METRIC,
-            SCREENSHOTS,
-        )
-
-    assert shown.opened_on == "Runs"
-    # As it opens: the sweep, closed, with its jobs' worst figures in its own columns.
-    assert list(shown.opened) == [parent.info.run_name]
-    shown_as_logged(shown.opened[parent.info.run_name], parent)
-    assert shown.opened[parent.info.run_name][STATUS] == "failed"
-    # Opened: every job by what it varies, with its verdict and worst speedup.
-    assert list(shown.expanded) == [parent.info.run_name, *reversed(names)]
-    for run in children:
-        shown_as_logged(shown.expanded[run.info.run_name], run)
-    assert [shown.expanded[name][STATUS] for name in names] == [
-        "passed",
-        "failed",
-        "passed",
-        "failed",
-    ]
-    # The values travel as JSON from the store to the chart, so they arrive exactly.
-    assert shown.chart_points == logged
-    for screenshot in ("opened.png", "experiment.png", "chart.png"):
-        assert (SCREENSHOTS / screenshot).stat().st_size > 20_000
 
 
 def test_the_readme_gives_the_link_that_opens_the_runs_view() -> None:

@@ -1,5 +1,9 @@
 """Sweeps as a user runs them (`python -m exporter -m ...`): every job runs, each gets a run
-nested under the sweep's parent, and the comparison reports all of them, failed ones marked."""
+nested under the sweep's parent, and the comparison reports all of them, failed ones marked;
+the README's link opens the sweep in MLflow's UI (an MLflow server over the store the sweep
+filled, in headless Chromium), on its runs with the columns that say how each job ended, every
+job's run named by what the sweep varied, and a job's per-shape metric plotted against the live
+size."""
 
 from __future__ import annotations
 
@@ -10,9 +14,15 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import SweepResult, run_sweep
+from exporter.tracking import runs as tracking
+from tests.conftest import PROJECT_ROOT, SweepResult, run_sweep
+from tests.mlflow_ui import CHROMIUM, STATUS, browse_sweep, serve_mlflow, shown_as_logged
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Kept after the test, for a person to look at: outputs/ is the project's, and git-ignored.
+SCREENSHOTS = PROJECT_ROOT / "outputs" / "e2e" / "mlflow-ui-sweep"
+# The per-shape metric whose chart a user looks for to compare backends.
+PER_SHAPE_METRIC = "speedup_vs_eager"
 
 
 def comparison_rows(sweep: SweepResult) -> list[dict[str, str]]:
@@ -204,3 +214,64 @@ def test_parallel_launchers_lose_no_run_and_a_second_pass_hits_the_cache(
     assert [run.data.tags["cache_hit"] for run in second] == ["true"] * jobs
     executorch = [run for run in second if run.data.tags["backend"] == "executorch"]
     assert [run.data.tags["cache_hit.lower"] for run in executorch] == ["true"] * (jobs // 2)
+
+
+@pytest.mark.browser
+def test_the_readmes_link_opens_a_sweep_on_its_runs_with_each_jobs_verdict_and_speedup(
+    failing_sweep: SweepResult, tmp_path: Path
+) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium), "
+            "or deselect this test with -m 'not browser'."
+        )
+    sweep = failing_sweep
+    parent, children = sweep.parent_and_children()
+    names = [run.info.run_name for run in children]
+    assert names == [
+        "backend=eager dynamic.batch.min=1",
+        "backend=eager dynamic.batch.min=65",
+        "backend=executorch dynamic.batch.min=1",
+        "backend=executorch dynamic.batch.min=65",
+    ]
+    lowered = children[2]
+    client = MlflowClient(sweep.tracking_uri)
+    report = client.download_artifacts(lowered.info.run_id, "report.json", str(tmp_path))
+    live_sizes = [
+        entry["shape"]["batch"] for entry in json.loads(Path(report).read_text())["shapes"]
+    ]
+    history = client.get_metric_history(lowered.info.run_id, PER_SHAPE_METRIC)
+    logged = sorted((metric.step, metric.value) for metric in history)
+    assert [step for step, _ in logged] == live_sizes
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags[tracking.EXPERIMENT_KIND_TAG] == tracking.MODEL_DEVELOPMENT
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with serve_mlflow(sweep.tracking_uri, tmp_path) as base_url:
+        shown = browse_sweep(
+            tracking.runs_view_url(base_url, parent.info.experiment_id),
+            names,
+            lowered.info.run_name,
+            PER_SHAPE_METRIC,
+            SCREENSHOTS,
+        )
+
+    assert shown.opened_on == "Runs"
+    # As it opens: the sweep, closed, with its jobs' worst figures in its own columns.
+    assert list(shown.opened) == [parent.info.run_name]
+    shown_as_logged(shown.opened[parent.info.run_name], parent)
+    assert shown.opened[parent.info.run_name][STATUS] == "failed"
+    # Opened: every job by what it varies, with its verdict and worst speedup.
+    assert list(shown.expanded) == [parent.info.run_name, *reversed(names)]
+    for run in children:
+        shown_as_logged(shown.expanded[run.info.run_name], run)
+    assert [shown.expanded[name][STATUS] for name in names] == [
+        "passed",
+        "failed",
+        "passed",
+        "failed",
+    ]
+    # The values travel as JSON from the store to the chart, so they arrive exactly.
+    assert shown.chart_points == logged
+    for screenshot in ("opened.png", "experiment.png", "chart.png"):
+        assert (SCREENSHOTS / screenshot).stat().st_size > 20_000
