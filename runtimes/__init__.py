@@ -5,8 +5,8 @@ check that validates a bundle there (`python -m runtimes.check BUNDLE`).
 
 Every module (or subpackage) of runtimes/loaders/ is one runtime, with a
 `load(path: Path, device: str) -> Loaded` and the `PACKAGES` (distributions) it loads artifacts
-with; it is imported only when its artifact is loaded, so a target installs only the toolchain
-its own runtime needs.
+with, and a `DATA_SUFFIX` where it loads a data file beside the artifact; it is imported only
+when its artifact is loaded, so a target installs only the toolchain its own runtime needs.
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ def load(path: Path, runtime: str, device: str = "cpu") -> Loaded:
 def packages(runtime: str) -> tuple[str, ...]:
     """The distributions the runtime loads artifacts with, as its loader declares them."""
     return tuple(_module(runtime).PACKAGES)
+
+
+def data_file_beside(path: Path, runtime: str) -> Path | None:
+    """The data file that the runtime loads with the artifact at `path`, where one lies beside it
+    under the artifact's name (its loader's `DATA_SUFFIX`: ExecuTorch's .ptd), else None."""
+    suffix = getattr(_module(runtime), "DATA_SUFFIX", None)
+    beside = path.with_suffix(suffix) if suffix else None
+    return beside if beside is not None and beside.exists() else None
 
 
 def set_threads(runtime: str, count: int) -> None:

@@ -61,6 +61,11 @@ def test_a_given_pte_validates_with_the_ptd_beside_it(llama_job: CliResult, tmp_
     )
     assert record.error is None, record.error
     assert report["passed"] and len(report["shapes"]) == 7
+    # The audit reads the weights where the runtime loads them, though the config did not say
+    # that they lie outside the .pte (backend.external_weights is false here).
+    audit = report["weights_audit"]
+    assert (audit["checked"], audit["unseen"], audit["mismatched"]) == (14, [], []), audit
+    assert audit["read"].endswith("in weights.ptd"), audit["read"]
 
 
 def test_a_pte_without_its_ptd_is_a_runtime_error_naming_it(

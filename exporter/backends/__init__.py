@@ -189,7 +189,13 @@ class ConfiguredBackend:
             raise ConfigError(
                 f"artifact={path}: backend={self.name} runs {expected} files, not {path.suffix!r}."
             )
-        return Artifact.at(path, output, partition=None)
+        artifact = Artifact.at(path, output, partition=None)
+        if artifact.data_path is None:
+            # The config says nothing of a data file, but the runtime loads one that lies beside
+            # the file under its name: the weights audit and the bundle must see it too.
+            beside = runtimes.data_file_beside(path, output.runtime)
+            artifact = dataclasses.replace(artifact, data_path=beside)
+        return artifact
 
 
 def _missing_parts(name: str, backend: Backend) -> list[str]:
