@@ -16,10 +16,13 @@ import torch
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
 from torchao.quantization.granularity import PerGroup
 from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+    IntxUnpackedToInt8Tensor,
+)
+from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
     _apply_int8_act_asym_per_token_quant_dequant as torchao_activation_rounding,
 )
 
-from exporter import backends, config
+from exporter import backends, config, models, quantize
 from exporter.backends.common.partition import DELEGATED
 from exporter.backends.eager import Eager
 from exporter.errors import ConfigError, ValidationFailed
@@ -77,6 +80,31 @@ def test_a_quantized_layers_oracle_is_eager_but_for_near_ties_and_leaves_it_as_i
     assert bool(((apart < 1e-5) | (apart <= band + 1e-5)).all())
     assert "forward" not in vars(layer)
     assert torch.equal(layer.weight.scale, scale)
+
+
+def test_the_quantized_copy_holds_the_float_models_unquantized_weights_once() -> None:
+    job = config.to_job(composed(*TINY, "model.kv_cache=static", "backend=eager", "quantize=8da4w"))
+    float_bundle = models.build(job.model, job.dynamic)
+    before = {n: p.detach().clone() for n, p in float_bundle.module.named_parameters()}
+    bundle = quantize.quantized(float_bundle, job.quantize)
+    float_params = dict(float_bundle.module.named_parameters())
+    params = dict(bundle.module.named_parameters())
+    linear = [n for n, p in params.items() if isinstance(p, IntxUnpackedToInt8Tensor)]
+    # What stays float (the token embedding, the norms) is the same tensor in both models.
+    assert len(linear) == LINEAR_LAYERS
+    kept = [n for n in params if n not in linear]
+    assert kept and all(params[n] is float_params[n] for n in kept)
+    # The float model is as it was, its layers float; the uncached model shares the quantized
+    # layers; the KV cache is the copy's own.
+    assert all(torch.equal(float_params[n], before[n]) for n in before)
+    assert not any(isinstance(p, IntxUnpackedToInt8Tensor) for p in float_params.values())
+    uncached = dict(bundle.decoder.uncached.named_parameters())
+    assert sum(isinstance(p, IntxUnpackedToInt8Tensor) for p in uncached.values()) == len(linear)
+    buffers, float_buffers = (
+        dict(bundle.module.named_buffers()),
+        dict(float_bundle.module.named_buffers()),
+    )
+    assert buffers and all(buffers[n] is not float_buffers[n] for n in buffers)
 
 
 @pytest.mark.parametrize(

@@ -69,11 +69,16 @@ def quantized(
 ) -> ModelBundle:
     """`bundle` with its module quantized as `cfg` says; its `unquantized` is the float model.
     The module is quantized in place on a copy: the decoder's uncached model shares its layers,
-    so it is quantized alike, and the float copy shares nothing with it. `group_scales`: the
-    dtype (a torch dtype's name) the per-group weight scales are rounded to, for a backend
-    that reads them so."""
+    so it is quantized alike. The copy has modules and buffers of its own (a KV cache is written
+    as the model runs) but the float model's parameters: quantizing gives a layer a new weight
+    rather than changing the old one, so what stays float (the embedding, the norms, skipped
+    layers) is held once, not twice (1.05 GB of `llama_1b`'s embedding in float32), and the
+    copy costs no float model's worth at its peak. `group_scales`: the dtype (a torch dtype's
+    name) the per-group weight scales are rounded to, for a backend that reads them so."""
     float_bundle = bundle
-    bundle = copy.deepcopy(bundle)
+    modules = [bundle.module, *([bundle.decoder.uncached] if bundle.decoder else [])]
+    shared = {id(p): p for module in modules for p in module.parameters()}
+    bundle = copy.deepcopy(bundle, memo=shared)
     skipped = frozenset(cfg.skip)
     if cfg.scheme is not QuantScheme.none:
         quantize_(bundle.module, linear_config(cfg), filter_fn=_linear_filter(skipped))
