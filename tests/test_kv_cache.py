@@ -3,6 +3,8 @@ prefill and decode steps to the cache's last slot, on one loaded artifact."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,17 @@ def test_a_cache_that_cannot_hold_the_prefill_is_refused_at_compose(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         composed(*overrides)
+
+
+def test_the_model_goes_once_its_strict_export_has_gone(tmp_path: Path) -> None:
+    # A KV-cache model exports strict (through Dynamo), which in torch 2.14 left the captured
+    # graph, and with it every parameter, in a global of Dynamo's: the job's stages after
+    # export held the model's weights a second time.
+    job = composed("backend=eager", *SMALL)
+    bundle = models.build(job.model, job.dynamic)
+    assert bundle.export_strict
+    weights = [weakref.ref(p) for p in bundle.module.parameters()]
+    exported = export.run(bundle, job.export.on_failure, tmp_path)
+    del bundle, exported
+    gc.collect()
+    assert [w() for w in weights if w() is not None] == []

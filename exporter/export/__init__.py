@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from exporter.models import ModelBundle, RunnerMetadata
 log = logging.getLogger(__name__)
 
 PROGRAM_FILE = "program.pt2"
+# Where strict export has Dynamo install what it captured (_dynamo_capture_released).
+_CAPTURING_MODULE = "torch._dynamo.functional_export"
 
 __all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "profiles", "run"]
 
@@ -63,7 +67,7 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     try:
         # On failure torch.export prints its partial graph to stderr, which the report keeps;
         # on success what it printed (warnings) goes to the job's log.
-        with contextlib.redirect_stderr(said):
+        with contextlib.redirect_stderr(said), _dynamo_capture_released():
             program = torch.export.export(
                 bundle.module,
                 example,
@@ -101,6 +105,26 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
     with atomic_path(path) as temporary:
         torch.export.save(program, temporary)
     return Exported(program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata())
+
+
+@contextlib.contextmanager
+def _dynamo_capture_released() -> Iterator[None]:
+    """Drops what a strict export leaves behind in Dynamo's module: torch 2.14's strict export
+    installs the graph Dynamo captured (a `__compiled_fn_*` global, holding the model's
+    parameters) in torch._dynamo.functional_export and never removes it, so the model outlived
+    the job's export stage with all its weights (a 1B model's 4.95 GB through lowering). Looked
+    up by name: a torch without that module or global leaves nothing to drop."""
+    before = _captured()
+    try:
+        yield
+    finally:
+        for name in _captured() - before:
+            delattr(sys.modules[_CAPTURING_MODULE], name)
+
+
+def _captured() -> set[str]:
+    module = sys.modules.get(_CAPTURING_MODULE)
+    return {n for n in vars(module) if n.startswith("__compiled_fn_")} if module else set()
 
 
 def profiles(bundle: ModelBundle) -> tuple[shapes.InputProfile, ...]:
