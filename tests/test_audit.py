@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+from executorch.exir.backend import utils as backend_utils
+from executorch.exir.backend.backend_details import PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
 from hydra import compose, initialize_config_dir
+from torch.export import ExportedProgram
 
 from exporter import backends, config, export, models
 from exporter.audit import WeightsAudit, audit, readers
@@ -326,3 +331,55 @@ def test_untouched_artifacts_of_every_backend_pass(
     result = audited(weights, artifact)
     assert result.passed
     assert (len(result.checked), len(result.unseen)) == (checked, unseen)
+
+
+def preprocessed(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The weights of every program XNNPACK's preprocess is given from now on."""
+    seen: list[torch.Tensor] = []
+    preprocess = XnnpackBackend.preprocess
+
+    def seeing(program: ExportedProgram, specs: list[CompileSpec]) -> PreprocessResult:
+        seen.extend(program.state_dict.values())
+        return preprocess(program, specs)
+
+    monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(seeing))
+    return seen
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_xnnpack_serializes_the_programs_own_weights_unchanged_not_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ExecuTorch hands each delegate a copy of its partition's program; lowering has that copy
+    # share the weight tensors (a 1B model's would otherwise be held twice at once), which the
+    # audit then finds serialized unchanged.
+    serialized = preprocessed(monkeypatch)
+    weights, artifact = lowered(tmp_path, "backend=executorch", "model=mlp")
+    assert len(serialized) == len(weights) == 6
+    assert storages(serialized) == storages(weights.values())
+    result = audited(weights, artifact)
+    assert (len(result.checked), result.mismatched) == (6, ())
+
+
+def test_a_tied_heads_weight_is_not_copied_for_xnnpack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # XNNPACK takes the head, the CPU the embedding's lookup: ExecuTorch copied their shared
+    # weight for the delegate (1.05 GB for a 1B Llama) before lowering untied it.
+    copied: list[str] = []
+    duplicate = backend_utils.duplicate_constant_node
+
+    def copying(program: ExportedProgram, name: str) -> set[str]:
+        copied.append(name)
+        return duplicate(program, name)
+
+    monkeypatch.setattr(backend_utils, "duplicate_constant_node", copying)
+    tied = ("model.tie_word_embeddings=true", *ONE_LAYER)
+    weights, artifact = lowered(tmp_path, "backend=executorch", *tied)
+    assert weights[EMBED] is weights["model.lm_head.weight"]
+    assert copied == []
+    result = audited(weights, artifact)
+    assert result.passed and len(result.checked) == len(weights) == 14

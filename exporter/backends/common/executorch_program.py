@@ -8,16 +8,20 @@ kernels: the .pte keeps the program only."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import gc
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.backend.backend_details import BackendDetails
+from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.backend.utils import WhyNoPartition, is_same_node
 from executorch.exir.lowered_backend_module import LoweredBackendModule
@@ -47,7 +51,7 @@ def lowered_to_pte(
     why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
     target: Output,
     out_dir: Path,
-    edge_passes: Sequence[Callable[[torch.fx.GraphModule], Any]] = (),
+    edge_passes: Sequence[Callable[[Any], Any]] = (),
     wrong_kernels_avoided: Sequence[WrongKernelAvoided] = (),
 ) -> Artifact:
     """Lowers with `partitioner` (its `listening()` context open) and writes the .pte, and with
@@ -58,7 +62,7 @@ def lowered_to_pte(
     # Without autograd: a program loaded from program.pt2 whose buffers it writes in place (a
     # KV cache) fails ExecuTorch's passes, which run the graph, as "a leaf Variable that
     # requires grad is being used in an in-place operation".
-    with torch.no_grad():
+    with torch.no_grad(), weights_shared_with_preprocess():
         return _lowered_to_pte(
             exported, partitioner, why_on_cpu, target, out_dir, edge_passes, wrong_kernels_avoided
         )
@@ -70,7 +74,7 @@ def _lowered_to_pte(
     why_on_cpu: Callable[[torch.fx.Node], tuple[str, str]],
     target: Output,
     out_dir: Path,
-    edge_passes: Sequence[Callable[[torch.fx.GraphModule], Any]],
+    edge_passes: Sequence[Callable[[Any], Any]],
     wrong_kernels_avoided: Sequence[WrongKernelAvoided],
 ) -> Artifact:
     try:
@@ -139,6 +143,39 @@ def forget_lowered_graphs() -> None:
         for value in list(vars(module).values()):
             if isinstance(value, WhyNoPartition):
                 value.node = None
+
+
+@contextlib.contextmanager
+def weights_shared_with_preprocess() -> Iterator[None]:
+    """While open, the copy of each partition that ExecuTorch hands a delegate's `preprocess`
+    shares the program's weight tensors instead of copying them.
+
+    ExecuTorch copies every partition's program before any delegate serializes it (so that a
+    backend may change its graph), weights included: with XNNPACK, all delegated weights held
+    twice at once, on top of the bytes preprocess makes of them (a 1B Llama in float32: its
+    4.95 GB). `copy_exported_program_for_preprocess` is the classmethod a
+    backend overrides to copy less; ExecuTorch's own CUDA backend shares the tensors the same
+    way in its low-memory mode. XNNPACK's and Vulkan's preprocess replace weights in the
+    copy's state dict and never write into a tensor, so the graphs and the dicts stay the
+    copy's own and the tensors can be shared."""
+    original = BackendDetails.__dict__["copy_exported_program_for_preprocess"]
+    BackendDetails.copy_exported_program_for_preprocess = classmethod(_copy_sharing_weights)
+    try:
+        yield
+    finally:
+        BackendDetails.copy_exported_program_for_preprocess = original
+
+
+def _copy_sharing_weights(
+    _backend: type[BackendDetails], program: ExportedProgram, _specs: list[CompileSpec]
+) -> ExportedProgram:
+    shared = {
+        id(tensor): tensor
+        for tensors in (program.state_dict, program.constants)
+        for tensor in tensors.values()
+        if isinstance(tensor, torch.Tensor)
+    }
+    return copy.deepcopy(program, shared)
 
 
 class TagDelegateConstants(ExportedProgramPassBase):

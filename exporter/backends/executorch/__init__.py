@@ -97,6 +97,7 @@ class Executorch(Backend):
             for_xnnpack,
             without_wrong_kernels,
         )
+        from exporter.backends.executorch.tied_embedding import UntiedEmbedding
         from exporter.backends.executorch.xnnpack_partitioner import PolicyPartitioner
 
         partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
@@ -110,7 +111,7 @@ class Executorch(Backend):
             partitioner.why_on_cpu,
             self.output(config),
             out_dir,
-            edge_passes=[ViewsForXnnpack()],
+            edge_passes=[ViewsForXnnpack(), UntiedEmbedding()],
             wrong_kernels_avoided=avoided,
         )
 
