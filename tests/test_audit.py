@@ -4,6 +4,7 @@ parameter checked, and bytes changed inside the file after lowering are named, w
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -20,7 +21,8 @@ from hydra import compose, initialize_config_dir
 from torch.export import ExportedProgram
 
 from exporter import backends, config, export, models
-from exporter.audit import WeightsAudit, audit, readers
+from exporter.audit import WeightsAudit, audit, executorch_files, readers
+from exporter.audit.matching import Constant, audit_constants, sha256
 from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
@@ -383,3 +385,26 @@ def test_a_tied_heads_weight_is_not_copied_for_xnnpack(
     assert copied == []
     result = audited(weights, artifact)
     assert result.passed and len(result.checked) == len(weights) == 14
+
+
+def test_the_audit_leaves_none_of_the_mapped_artifact_resident(tmp_path: Path) -> None:
+    # The readers map the artifact: a 1B model's 6 GB .pte, read through the mapping, stayed
+    # resident beside the model's weights until the audit ended (peak 2.5x the weights).
+    payload = torch.randn(16, 1024, 1024)  # 64 MiB
+    path = tmp_path / "payload.bin"
+    path.write_bytes(payload.numpy().tobytes())
+    data = executorch_files.mapped(path)
+    before = resident_file_bytes()
+    result = audit_constants(
+        [Constant("payload.bin", data, key=sha256(payload))], {"w": payload}, lambda *_: ""
+    )
+    assert [c.parameter for c in result.checked] == ["w"]
+    assert resident_file_bytes() - before < 8 * 2**20
+    sha256(data)
+    assert resident_file_bytes() - before > 48 * 2**20
+
+
+def resident_file_bytes() -> int:
+    """This process's resident pages of mapped files (RssFile)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^RssFile:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -216,8 +217,10 @@ def audit_constants(
         name = stored_names.get(constant.name or "", constant.name)
         if name is not None and name in tensors:
             _compare_named(name, constant, tensors[name], parts.get(name), checked, mismatched)
+            _pages_released(constant.data)
             continue
         content = sha256(constant.data)
+        _pages_released(constant.data)
         if constant.key is not None and content != constant.key:
             holders = hashes.holders(constant.key, constant)
             for held, form in holders:
@@ -257,6 +260,16 @@ def audit_constants(
         if n not in checked and n not in mismatched
     ]
     return Matched(list(checked.values()), list(mismatched.values()), unseen, corrupted, parts)
+
+
+def _pages_released(data: bytes | memoryview) -> None:
+    """Takes the pages of a mapped file that reading `data` brought in out of the process's
+    resident memory (the file stays mapped; what is read again is read from the page cache).
+    The readers map the artifact's files: reading a 6 GB .pte through its mapping otherwise
+    kept all 6 GB resident beside the model's weights until the audit ended."""
+    mapping = data.obj if isinstance(data, memoryview) else None
+    if isinstance(mapping, mmap.mmap):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _numel(constant: Constant) -> int:
