@@ -1,5 +1,5 @@
-"""The benchmark's timing: counts, budgets and statistics, on a real exported program run by
-the eager runtime."""
+"""The benchmark's timing: counts, budgets and statistics, and whether the two contenders are
+loaded at once, on a real exported program run by the eager runtime."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from exporter import benchmark
 from exporter.benchmark import timing
+from exporter.config import BenchmarkConfig
+from exporter.process import memory
 from runtimes import load
 
 
@@ -77,3 +80,41 @@ def test_percentiles_interpolate_between_ranks() -> None:
     timed = timing.Timing("cpu", samples, None, None)
     assert (timed.p10_ms, timed.median_ms, timed.p90_ms, timed.min_ms) == (2.0, 6.0, 10.0, 1.0)
     assert timing.Timing("cpu", (1.0, 2.0), None, None).p90_ms == pytest.approx(1.9)
+
+
+def subject(program: Path, file_bytes: int = 0) -> benchmark.Subject:
+    return benchmark.Subject("eager", "cpu", lambda: load(program, "eager", "cpu"), file_bytes)
+
+
+def settings(together: bool | None) -> BenchmarkConfig:
+    return BenchmarkConfig(enabled=True, warmup=1, repeats=3, seconds=60, together=together)
+
+
+def test_the_two_are_loaded_at_once_unless_that_would_pass_the_jobs_peak(program: Path) -> None:
+    holding, gb = memory.resident(), 10**9
+    small, large = subject(program, 10**6), subject(program, gb)
+    assert benchmark.together(settings(None), small, small, holding + gb)
+    # The job holds its peak already (a CUDA job's stages), but both are small beside it.
+    assert benchmark.together(settings(None), small, small, holding)
+    # A 1B model's artifact and program: both at once would set the job's peak.
+    assert not benchmark.together(settings(None), large, large, holding + gb)
+    assert benchmark.together(settings(True), large, large, holding)
+    assert not benchmark.together(settings(False), small, small, holding + gb)
+    assert benchmark.together(settings(None), large, None, holding)
+    assert benchmark.together(settings(None), large, large, None)
+
+
+def test_timed_one_after_the_other_each_gets_its_runs(program: Path) -> None:
+    shapes = [{"batch": 4}, {"rows": 4}]
+    timed = benchmark.run(
+        shapes,
+        lambda _shape: [torch.randn(4, 32)],
+        subject(program),
+        subject(program),
+        settings(False),
+    )
+    assert timed.together is False and timed.to_json()["together"] is False
+    assert [s.shape for s in timed.shapes] == shapes
+    for shape in timed.shapes:
+        assert shape.eager is not None
+        assert len(shape.artifact.samples_ms) == len(shape.eager.samples_ms) == 3

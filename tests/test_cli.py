@@ -83,6 +83,7 @@ def test_mlp_job_leaves_one_finished_run_with_a_metric_per_live_size(mlp_job: Cl
         assert metric_steps(mlp_job, run.info.run_id, key) == sizes
     assert run.data.tags["benchmark.clock"] == "cpu"
     assert run.data.tags["benchmark.eager_device"] == "cpu"
+    assert run.data.tags["benchmark.together"] == "true"
     artifacts = {a.path for a in MlflowClient(mlp_job.tracking_uri).list_artifacts(run.info.run_id)}
     assert {"model.pte", "program.pt2", "config.yaml", ".hydra", "report.json"} <= artifacts
 

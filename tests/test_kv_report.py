@@ -171,6 +171,8 @@ def test_prefill_and_decode_are_timed_beside_eager(kv_job: CliResult) -> None:
     # A decode step after the shortest prefill, at half the 16 slots and at the last slot.
     assert [(c["position"], c["tokens"]) for c in timed["decode"]] == [(1, 1), (8, 1), (15, 1)]
     assert timed["shapes"] == []
+    # A tiny model's artifact and program: loaded at once, taking turns.
+    assert timed["together"] is True
     speedups = []
     for call in timed["prefill"] + timed["decode"]:
         assert 0 < call["min_ms"] <= call["median_ms"] <= call["p90_ms"]

@@ -5,7 +5,8 @@ shape is warmed up, then timed many times, and summarized by its median and spre
 the exported program at the model's dtype on the same kind of device, timed the same way with
 the same CPU threads, so `speedup_vs_eager` says whether lowering paid off at that shape. The
 two are loaded together and take turns (exporter/benchmark/timing.py), so a machine that slows
-down slows both.
+down slows both; where holding both would take the job past the peak memory it reached before
+(a 1B model's artifact and program), one is timed and freed before the other is loaded.
 
 A model with a KV cache is timed as it generates instead (exporter/benchmark/decoding.py):
 prefill at several lengths and a decode step at several cache fills, each with tokens per
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from tabulate import tabulate
 from exporter.benchmark.decoding import CallLatency, decode_fills, time_decode, time_prefill
 from exporter.benchmark.timing import Timing, measure, speedup
 from exporter.config import BenchmarkConfig
-from exporter.process import interrupts
+from exporter.process import interrupts, memory
 from runtimes import Loaded, set_threads
 from runtimes.verdict.shapes import LiveShape, label
 
@@ -44,11 +45,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Subject:
-    """What is timed: an artifact by its runtime's name, the device it runs on, its loader."""
+    """What is timed: an artifact by its runtime's name, the device it runs on, its loader, and
+    the bytes of the files it loads (what it will hold, near enough)."""
 
     runtime: str
     device: str
     load: Callable[[], Loaded]
+    file_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class Benchmark:
     # A model with a KV cache: its prefills from position 0, and its decode steps by cache fill.
     prefill: tuple[CallLatency, ...] = ()
     decode: tuple[CallLatency, ...] = ()
+    # Whether the artifact and eager were loaded at once, taking turns, or one after the other.
+    together: bool = True
 
     def worst_speedup_vs_eager(self) -> float | None:
         timed = [*self.shapes, *self.prefill, *self.decode]
@@ -123,6 +128,7 @@ class Benchmark:
         payload: dict[str, object] = {
             "threads": self.threads,
             "eager_device": self.eager_device,
+            "together": self.together,
             "worst_speedup_vs_eager": self.worst_speedup_vs_eager(),
             "shapes": [
                 {
@@ -151,9 +157,10 @@ def run(
     artifact: Subject,
     eager: Subject | None,
     settings: BenchmarkConfig,
+    job_peak: int | None = None,
 ) -> Benchmark:
     """Times the artifact and eager (None: no program to run in eager PyTorch) at every shape,
-    in plan order."""
+    in plan order; `job_peak`: the job's peak RSS so far (`together`)."""
     threads = thread_count(settings)
     log.info(
         "[benchmark] %d live shapes, %d threads: %d warm-up runs, then up to %d timed runs or "
@@ -164,13 +171,18 @@ def run(
         settings.repeats,
         settings.seconds,
     )
-    contenders = _loaded(artifact, eager, threads)
+
+    def time_all(contenders: Sequence[Loaded]) -> list[list[Timing]]:
+        return [
+            measure(contenders, inputs(shape), settings.warmup, settings.repeats, settings.seconds)
+            for shape in _interruptible(shapes)
+        ]
+
+    at_once = together(settings, artifact, eager, job_peak)
     results = []
-    for shape in shapes:
-        interrupts.check()
-        timing, *eager_timing = measure(
-            contenders, inputs(shape), settings.warmup, settings.repeats, settings.seconds
-        )
+    for shape, (timing, *eager_timing) in zip(
+        shapes, _timed(artifact, eager, threads, at_once, time_all), strict=True
+    ):
         result = ShapeLatency(shape, timing, eager_timing[0] if eager_timing else None)
         results.append(result)
         log.info(
@@ -183,11 +195,15 @@ def run(
             f"{result.eager.median_ms:.3f} ms" if result.eager else "-",
             _speedup(result.speedup_vs_eager),
         )
-    return Benchmark(threads, eager.device if eager else None, tuple(results))
+    return Benchmark(threads, eager.device if eager else None, tuple(results), together=at_once)
 
 
 def run_sessions(
-    sessions: Sequence[dict], artifact: Subject, eager: Subject | None, settings: BenchmarkConfig
+    sessions: Sequence[dict],
+    artifact: Subject,
+    eager: Subject | None,
+    settings: BenchmarkConfig,
+    job_peak: int | None = None,
 ) -> Benchmark:
     """Times the artifact with a KV cache and eager (None: no program to run in eager PyTorch)
     on the first session's tokens (plain dicts as runtimes/verdict/sessions.py reads them): a
@@ -207,23 +223,23 @@ def run_sessions(
         settings.repeats,
         settings.seconds,
     )
-    contenders = _loaded(artifact, eager, threads)
-    prefill = [
-        _call(
-            f"prefill seq={length}", 0, length, time_prefill(contenders, tokens, length, settings)
-        )
-        for length in lengths
+
+    def time_all(contenders: Sequence[Loaded]) -> list[list[Timing]]:
+        return [
+            *(time_prefill(contenders, tokens, length, settings) for length in lengths),
+            *(time_decode(contenders, tokens, fill, lengths[-1], settings) for fill in fills),
+        ]
+
+    at_once = together(settings, artifact, eager, job_peak)
+    calls = [(f"prefill seq={n}", 0, n) for n in lengths] + [
+        (f"decode pos={fill}", fill, 1) for fill in fills
     ]
-    decode = [
-        _call(
-            f"decode pos={fill}",
-            fill,
-            1,
-            time_decode(contenders, tokens, fill, lengths[-1], settings),
-        )
-        for fill in fills
-    ]
-    return Benchmark(threads, eager.device if eager else None, (), tuple(prefill), tuple(decode))
+    timings = _timed(artifact, eager, threads, at_once, time_all)
+    timed = [_call(*call, timing) for call, timing in zip(calls, timings, strict=True)]
+    prefill, decode = timed[: len(lengths)], timed[len(lengths) :]
+    return Benchmark(
+        threads, eager.device if eager else None, (), tuple(prefill), tuple(decode), at_once
+    )
 
 
 def _call(name: str, position: int, tokens: int, timings: Sequence[Timing]) -> CallLatency:
@@ -242,18 +258,65 @@ def _call(name: str, position: int, tokens: int, timings: Sequence[Timing]) -> C
     return call
 
 
-def _loaded(artifact: Subject, eager: Subject | None, threads: int) -> list[Loaded]:
-    """The artifact and eager (where there is a program to run) loaded, their kernels set to
-    `threads` CPU threads."""
-    for subject in (artifact, eager):
-        if subject is not None:
-            set_threads(subject.runtime, threads)
-    loaded = [artifact.load()]
+def together(
+    settings: BenchmarkConfig, artifact: Subject, eager: Subject | None, job_peak: int | None
+) -> bool:
+    """Whether the artifact and eager are loaded at once and take turns: `benchmark.together`,
+    or where it is null, where their files' bytes on top of what the process holds now stay
+    within `job_peak`, the peak the job reached before (unknown: at once), or where the
+    smaller of the two is under a tenth of that peak (a small model, whose RSS after a CUDA
+    job's stages can sit at the peak already). Export and lowering set a job's memory; the
+    benchmark, which can time the two apart, should not."""
+    if eager is None:
+        return True
+    if settings.together is not None:
+        return settings.together
+    if job_peak is None:
+        return True
+    holding, loading = memory.resident(), artifact.file_bytes + eager.file_bytes
+    # Apart, the job holds the larger one at a time: what both at once add is the smaller.
+    if holding + loading <= job_peak or min(artifact.file_bytes, eager.file_bytes) < job_peak / 10:
+        return True
+    log.info(
+        "[benchmark] the artifact and eager one after the other, each loaded alone: their "
+        "files (%.2f GB) on the %.2f GB the job holds would pass its peak so far (%.2f GB); "
+        "benchmark.together=true times them in turns",
+        loading / memory.GB,
+        holding / memory.GB,
+        job_peak / memory.GB,
+    )
+    return False
+
+
+def _timed(
+    artifact: Subject,
+    eager: Subject | None,
+    threads: int,
+    at_once: bool,
+    time_all: Callable[[Sequence[Loaded]], list[list[Timing]]],
+) -> list[list[Timing]]:
+    """Per call that `time_all(contenders)` times, a Timing of the artifact then of eager
+    (where there is a program to run), their kernels set to `threads` CPU threads: loaded at
+    once and taking turns, or each loaded, timed and freed before the next."""
+    subjects = [artifact] if eager is None else [artifact, eager]
+    for subject in subjects:
+        set_threads(subject.runtime, threads)
     if eager is None:
         log.info("[benchmark] no exported program to run in eager PyTorch: no speedup_vs_eager")
-    else:
-        loaded.append(eager.load())
-    return loaded
+    if at_once:
+        return time_all([subject.load() for subject in subjects])
+    apart = []
+    for subject in subjects:
+        apart.append(time_all([subject.load()]))
+        memory.release_freed()
+    return [[t for timings in call for t in timings] for call in zip(*apart, strict=True)]
+
+
+def _interruptible(shapes: Sequence[LiveShape]) -> Iterator[LiveShape]:
+    """The shapes, stopping between two where the user interrupted the job."""
+    for shape in shapes:
+        interrupts.check()
+        yield shape
 
 
 def _speedup(value: float | None) -> str:

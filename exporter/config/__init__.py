@@ -486,13 +486,17 @@ class BenchmarkConfig:
     first (at least one warm-up and one timed run). Both compute with `threads` CPU threads
     (null: every core the job may use). One by default, as torch.utils.benchmark's Timer: on
     this 2-core machine the default Llama's 2-thread medians moved by up to 111% between two
-    runs (some runs wait for a sleeping worker thread, some do not), 1-thread ones by 3%."""
+    runs (some runs wait for a sleeping worker thread, some do not), 1-thread ones by 3%.
+    `together`: load both at once and let them take turns (a machine that slows down slows
+    both), or time one, free it, then the other (memory for one of them); null: together where
+    loading both keeps the job within the peak memory it reached before (in export, lowering)."""
 
     enabled: bool = MISSING
     warmup: int = 5
     repeats: int = 50
     seconds: float = 1.0
     threads: int | None = 1
+    together: bool | None = None
 
     def __post_init__(self) -> None:
         for key, value, least in (("warmup", self.warmup, 0), ("repeats", self.repeats, 1)):

@@ -20,7 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -354,7 +354,13 @@ class _Sequence:
         assert produced.report is not None
         with self.timed("benchmark"):
             produced.benchmark = _benchmark(
-                self.job, self.backend, lowered.artifact, program, expected, produced.report.target
+                self.job,
+                self.backend,
+                lowered.artifact,
+                program,
+                expected,
+                produced.report.target,
+                self.record.job_peak_rss_bytes,
             )
         log.info(
             "[benchmark] latency (%s):\n%s",
@@ -574,19 +580,26 @@ def _benchmark(
     program: ProgramFile | None,
     expected: Expected,
     target: Mapping[str, str],
+    job_peak: int | None,
 ) -> benchmark.Benchmark:
     """The artifact's latency at every live shape (with a KV cache: its prefills and decode
-    steps), beside eager PyTorch's on the device that matches the artifact's `target`."""
-    timed = benchmark.Subject(artifact.runtime, artifact.device, _loader(artifact))
+    steps), beside eager PyTorch's on the device that matches the artifact's `target`;
+    `job_peak`, the job's peak RSS so far, which loading both at once should not pass."""
+    timed = benchmark.Subject(
+        artifact.runtime, artifact.device, _loader(artifact), _file_bytes(artifact.files())
+    )
     eager = _eager(program, backend, target)
+    settings = job.benchmark
     if expected.goldens.sessions:
-        return benchmark.run_sessions(expected.goldens.sessions, timed, eager, job.benchmark)
+        sessions = expected.goldens.sessions
+        return benchmark.run_sessions(sessions, timed, eager, settings, job_peak)
     return benchmark.run(
         expected.shapes,
         lambda shape: expected.goldens.cases[label(shape)][0],
         timed,
         eager,
-        job.benchmark,
+        settings,
+        job_peak,
     )
 
 
@@ -802,4 +815,12 @@ def _eager(
         return None
     device = backend.eager_device(target)
     path = program.path
-    return benchmark.Subject("eager", device, lambda: load_runtime(path, "eager", device))
+    return benchmark.Subject(
+        "eager", device, lambda: load_runtime(path, "eager", device), _file_bytes([path])
+    )
+
+
+def _file_bytes(paths: Iterable[Path]) -> int:
+    """The bytes of `paths`, a folder's being those of the files under it."""
+    files = [f for path in paths for f in (path.rglob("*") if path.is_dir() else [path])]
+    return sum(f.stat().st_size for f in files if f.is_file())

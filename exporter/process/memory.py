@@ -30,6 +30,7 @@ GB = 1e9
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _HWM = re.compile(r"^VmHWM:\s+(\d+) kB$", re.MULTILINE)
+_RSS = re.compile(r"^VmRSS:\s+(\d+) kB$", re.MULTILINE)
 # Whether the high-water mark can be reset; None until the first reset tries.
 _resettable: bool | None = None
 
@@ -63,6 +64,13 @@ def peak_rss() -> int:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Bytes on macOS, KiB on Linux and the BSDs.
     return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def resident() -> int:
+    """The process's resident memory (RSS) now, in bytes: VmRSS where /proc says, else its peak
+    so far (ru_maxrss)."""
+    match = _RSS.search(_STATUS.read_text()) if _STATUS.exists() else None
+    return int(match.group(1)) * 1024 if match else peak_rss()
 
 
 def scope() -> str:

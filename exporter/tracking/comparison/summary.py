@@ -194,6 +194,7 @@ class JobSummary:
                 "threads": str(record.benchmark.threads),
                 "clock": (timed or calls)[0].artifact.clock,
                 "eager_device": record.benchmark.eager_device or "none",
+                "together": str(record.benchmark.together).lower(),
             }
         return summary
 
