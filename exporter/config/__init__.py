@@ -489,7 +489,8 @@ class BenchmarkConfig:
     runs (some runs wait for a sleeping worker thread, some do not), 1-thread ones by 3%.
     `together`: load both at once and let them take turns (a machine that slows down slows
     both), or time one, free it, then the other (memory for one of them); null: together where
-    loading both keeps the job within the peak memory it reached before (in export, lowering)."""
+    loading both keeps the job within the peak memory it reached before (in export, lowering)
+    or where the smaller of the two takes under a tenth of that peak."""
 
     enabled: bool = MISSING
     warmup: int = 5
