@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from exporter.backends.common.policy import op_name
 
 _LOOKUPS = frozenset({"aten.embedding.default"})
-SUFFIX = "_untied"
+_SUFFIX = "_untied"
 
 
 class UntiedEmbedding(ExportedProgramPassBase):
@@ -41,11 +41,11 @@ class UntiedEmbedding(ExportedProgramPassBase):
             ):
                 continue
             with graph.inserting_before(node):
-                head = graph.placeholder(node.name + SUFFIX)
+                head = graph.placeholder(node.name + _SUFFIX)
             head.meta.update(node.meta)
             for user in readers:
                 user.replace_input_with(node, head)
-            target = spec.target + SUFFIX
+            target = spec.target + _SUFFIX
             program.state_dict[target] = program.state_dict[spec.target]
             untied[node.name] = InputSpec(
                 InputKind.PARAMETER, TensorArgument(head.name), target, spec.persistent
