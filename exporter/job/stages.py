@@ -20,7 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -586,7 +586,7 @@ def _benchmark(
     steps), beside eager PyTorch's on the device that matches the artifact's `target`;
     `job_peak`, the job's peak RSS so far, which loading both at once should not pass."""
     timed = benchmark.Subject(
-        artifact.runtime, artifact.device, _loader(artifact), _file_bytes(artifact.files())
+        artifact.runtime, artifact.device, _loader(artifact), artifact.file_bytes()
     )
     eager = _eager(program, backend, target)
     settings = job.benchmark
@@ -816,11 +816,5 @@ def _eager(
     device = backend.eager_device(target)
     path = program.path
     return benchmark.Subject(
-        "eager", device, lambda: load_runtime(path, "eager", device), _file_bytes([path])
+        "eager", device, lambda: load_runtime(path, "eager", device), path.stat().st_size
     )
-
-
-def _file_bytes(paths: Iterable[Path]) -> int:
-    """The bytes of `paths`, a folder's being those of the files under it."""
-    files = [f for path in paths for f in (path.rglob("*") if path.is_dir() else [path])]
-    return sum(f.stat().st_size for f in files if f.is_file())

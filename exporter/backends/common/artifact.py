@@ -66,3 +66,7 @@ class Artifact:
         """The files that deploy together: the artifact and its data file where it has one."""
         data = (self.data_path,) if self.data_path and self.data_path.exists() else ()
         return (self.path, *data)
+
+    def file_bytes(self) -> int:
+        """The bytes of the files that deploy together."""
+        return sum(path.stat().st_size for path in self.files())

@@ -140,7 +140,7 @@ class JobSummary:
         if record.job_peak_rss_bytes and record.weight_bytes:
             summary.peak_rss_over_weights = record.job_peak_rss_bytes / record.weight_bytes
         if record.artifact and record.artifact.path.exists():
-            summary.artifact_bytes = sum(path.stat().st_size for path in record.artifact.files())
+            summary.artifact_bytes = record.artifact.file_bytes()
             if record.artifact.partition:
                 summary.delegated_fraction = record.artifact.partition.delegated_fraction
                 summary.fallback_op_count = record.artifact.partition.fallback_op_count
