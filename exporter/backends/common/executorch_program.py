@@ -62,7 +62,7 @@ def lowered_to_pte(
     # Without autograd: a program loaded from program.pt2 whose buffers it writes in place (a
     # KV cache) fails ExecuTorch's passes, which run the graph, as "a leaf Variable that
     # requires grad is being used in an in-place operation".
-    with torch.no_grad(), weights_shared_with_preprocess():
+    with torch.no_grad(), _weights_shared_with_preprocess():
         return _lowered_to_pte(
             exported, partitioner, why_on_cpu, target, out_dir, edge_passes, wrong_kernels_avoided
         )
@@ -146,7 +146,7 @@ def forget_lowered_graphs() -> None:
 
 
 @contextlib.contextmanager
-def weights_shared_with_preprocess() -> Iterator[None]:
+def _weights_shared_with_preprocess() -> Iterator[None]:
     """While open, the copy of each partition that ExecuTorch hands a delegate's `preprocess`
     shares the program's weight tensors instead of copying them.
 

@@ -33,12 +33,8 @@ class UntiedEmbedding(ExportedProgramPassBase):
         for node in [n for n in graph.nodes if n.op == "placeholder"]:
             spec = by_name.get(node.name)
             readers = [user for user in node.users if op_name(user) not in _LOOKUPS]
-            if (
-                spec is None
-                or spec.kind is not InputKind.PARAMETER
-                or len(readers) == len(node.users)
-                or not readers
-            ):
+            looked_up = len(readers) < len(node.users)
+            if spec is None or spec.kind is not InputKind.PARAMETER or not looked_up or not readers:
                 continue
             with graph.inserting_before(node):
                 head = graph.placeholder(node.name + _SUFFIX)
