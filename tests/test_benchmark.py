@@ -3,6 +3,7 @@ loaded at once, on a real exported program run by the eager runtime."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from exporter import benchmark
 from exporter.benchmark import timing
 from exporter.config import BenchmarkConfig
 from exporter.process import memory
-from runtimes import load
+from runtimes import Loaded, load
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +105,24 @@ def test_the_two_are_loaded_at_once_unless_that_would_pass_the_jobs_peak(program
     assert benchmark.together(settings(None), large, large, None)
 
 
-def test_timed_one_after_the_other_each_gets_its_runs(program: Path) -> None:
+@pytest.mark.parametrize("together", [False, True])
+def test_apart_each_is_loaded_once_the_other_has_gone(program: Path, together: bool) -> None:
+    loaded: list[weakref.ref] = []
+    others_alive: list[int] = []
+
+    def loading() -> Loaded:
+        others_alive.append(sum(ref() is not None for ref in loaded))
+        instance = load(program, "eager", "cpu")
+        loaded.append(weakref.ref(instance))
+        return instance
+
     shapes = [{"batch": 4}, {"rows": 4}]
+    contender = benchmark.Subject("eager", "cpu", loading)
     timed = benchmark.run(
-        shapes,
-        lambda _shape: [torch.randn(4, 32)],
-        subject(program),
-        subject(program),
-        settings(False),
+        shapes, lambda _shape: [torch.randn(4, 32)], contender, contender, settings(together)
     )
-    assert timed.together is False and timed.to_json()["together"] is False
+    assert others_alive == ([0, 1] if together else [0, 0])
+    assert timed.together is together and timed.to_json()["together"] is together
     assert [s.shape for s in timed.shapes] == shapes
     for shape in timed.shapes:
         assert shape.eager is not None

@@ -54,6 +54,19 @@ def test_a_16_bit_models_goldens_are_the_oracles_in_float32_and_record_its_dtype
     assert loaded.output_dtypes == (torch.bfloat16,)
     assert loaded.cases.keys() == computed.cases.keys()
     assert torch.equal(loaded.cases["batch=3"][1][0], output)
+    # Mapped from the file, not read into memory: a 1B Llama's logits are 0.38 GB.
+    assert mapped_from(tmp_path / stored_goldens.GOLDENS_FILE, loaded.cases["batch=3"][1][0])
+
+
+def mapped_from(path: Path, tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes lie in a mapping of `path` (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        start, end = (int(bound, 16) for bound in span.split("-"))
+        if name == str(path) and start <= address < end:
+            return True
+    return False
 
 
 def test_a_float32_models_goldens_stay_float64() -> None:
