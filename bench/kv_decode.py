@@ -110,18 +110,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         for runtime, _ in instances:
             set_threads("eager" if runtime == COMPILE else runtime, threads)
         contenders = [instance for _, instance in instances]
-        medians: dict[tuple[str, int], list[list[float]]] = {call: [] for call in calls}
-        for _ in range(args.rounds):
-            for kind, at in calls:
-                timings = (
-                    time_prefill(contenders, tokens, at, settings)
-                    if kind == "prefill"
-                    else time_decode(contenders, tokens, at, longest, settings)
-                )
-                medians[(kind, at)].append([t.median_ms for t in timings])
+        medians = timed(contenders, tokens, calls, longest, settings, args.rounds)
         print(f"\n{threads} thread{'s' if threads > 1 else ''}, {args.rounds} rounds")
         print(table(labels, calls, medians))
     return 0
+
+
+def timed(
+    contenders: Sequence[Loaded],
+    tokens: torch.Tensor,
+    calls: Sequence[tuple[str, int]],
+    longest: int,
+    settings: BenchmarkConfig,
+    rounds: int,
+) -> dict[tuple[str, int], list[list[float]]]:
+    """Each call's median ms per contender, per round, the contenders taking turns: a
+    ("prefill", length) from position 0, or a ("decode", fill) step (prefills of at most
+    `longest` tokens fill the caches)."""
+    medians: dict[tuple[str, int], list[list[float]]] = {call: [] for call in calls}
+    for _ in range(rounds):
+        for kind, at in calls:
+            timings = (
+                time_prefill(contenders, tokens, at, settings)
+                if kind == "prefill"
+                else time_decode(contenders, tokens, at, longest, settings)
+            )
+            medians[(kind, at)].append([t.median_ms for t in timings])
+    return medians
 
 
 def table(

@@ -1,11 +1,12 @@
 """A tiny Llama written as a GGUF file with the gguf package's writer, the way llama.cpp's
-converter lays one out: its float32 weights under llama.cpp's tensor names (the query and key
+converter lays one out: its weights under llama.cpp's tensor names (the query and key
 projections' rows reordered for llama.cpp's rotary layout, which transformers undoes when it
-reads them), a byte-level BPE vocabulary of 256 bytes without merges and three special tokens,
-and a chat template."""
+reads them), float32 or quantized to llama.cpp's types per tensor, a byte-level BPE vocabulary
+of 256 bytes without merges and three special tokens, and a chat template."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -66,8 +67,14 @@ def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def write(model: transformers.LlamaForCausalLM, path: Path) -> Path:
-    """`model` as the GGUF file `path`, with the tokenizer above."""
+def write(
+    model: transformers.LlamaForCausalLM, path: Path, types: Mapping[str, str] | None = None
+) -> Path:
+    """`model` as the GGUF file `path`, with the tokenizer above; `types`: llama.cpp's type of
+    each tensor named (`blk.0.attn_q.weight`: "Q4_1"), float32 for the others. Q4_0, Q4_1, Q5_0,
+    Q5_1 and Q8_0 round the weight as llama.cpp does (the gguf package's quantizer); types it
+    cannot quantize (the K-quants) are written as random blocks of their layout with small
+    scales, a weight transformers reads as it would a real one."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     writer = gguf.GGUFWriter(path, "llama")
@@ -84,9 +91,11 @@ def write(model: transformers.LlamaForCausalLM, path: Path) -> Path:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer)
     weights = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    tensors = {
+        "token_embd.weight": weights["model.embed_tokens.weight"],
+        "output_norm.weight": weights["model.norm.weight"],
+        "output.weight": weights["lm_head.weight"],
+    }
     for layer in range(config.num_hidden_layers):
         for gguf_name, module in _LAYER_TENSORS.items():
             weight = weights[f"model.layers.{layer}.{module}.weight"]
@@ -94,12 +103,45 @@ def write(model: transformers.LlamaForCausalLM, path: Path) -> Path:
                 weight = _rotary_layout(weight, heads)
             elif gguf_name == "attn_k":
                 weight = _rotary_layout(weight, kv_heads)
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weight)
+            tensors[f"blk.{layer}.{gguf_name}.weight"] = weight
+    rng = np.random.default_rng(0)
+    for name, weight in tensors.items():
+        kind = (types or {}).get(name)
+        if kind is None:
+            writer.add_tensor(name, weight)
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        raw = (
+            gguf.quants.quantize(weight, qtype)
+            if kind in _QUANTIZED_BY_GGUF
+            else random_blocks(weight.shape, kind, rng)
+        )
+        writer.add_tensor(name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# The types the gguf package's quantizer rounds a float32 weight to.
+_QUANTIZED_BY_GGUF = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Byte offsets and widths of each K-quant block's float16 scales, set small so that the random
+# weights stay finite and of a model's size.
+_HALF_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def random_blocks(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in the block layout of `kind` for a weight of `shape` [rows, cols], each
+    block's float16 scales drawn in [1e-3, 2e-3)."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in _HALF_FIELDS[kind]:
+        scales = rng.uniform(1e-3, 2e-3, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
 
 
 def _rotary_layout(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""Quality in the verdict, apart from fidelity: quantize.max_kld and quantize.min_top1 judge the
-artifact's own logits against the float model's; a job that exceeds them fails on quality (exit
-1) while fidelity passes, and report.json, the terminal, the summary, MLflow and the comparison
-say which. A KV-cache job measures quality per judged step, sets the float model's greedy tokens
-beside the artifact's, and ranks its layers (quantize.attribution)."""
+"""Quality in the verdict, apart from fidelity: quantize.budget judges the artifact's own logits
+against the float model's, on text where the model has a tokenizer (top-1 there only), on the
+validation inputs otherwise; a job that exceeds it fails on quality (exit 1) while fidelity
+passes, and report.json, the terminal, the summary, MLflow and the comparison say which. A
+KV-cache job measures quality per judged step and on the text, sets the float model's greedy
+tokens beside the artifact's, and ranks its layers (quantize.attribution)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from exporter.config import QualityBudget
 from exporter.job import verdict as job_verdict
 from exporter.quantize.quality import NextToken
 from exporter.quantize.verdict import Quality
@@ -23,20 +25,29 @@ from tests.conftest import CliResult, job_in_process, run_exporter
 QUANTIZED = ("quantize=8da4w", "model.num_hidden_layers=1", "dynamic.seq.max=16")
 
 
-def quality(kld_mean: float, top1: float) -> Quality:
+def quality(kld_mean: float, top1: float, on_text: bool = True) -> Quality:
+    """A verdict on figures measured on text (or on random token ids), budget 0.1 and 0.8."""
     found = NextToken(27, kld_mean, 2 * kld_mean, 3 * kld_mean, top1, 0.01)
-    return Quality(0.1, 0.8, found, {}, None, None, None)
+    text = {"source": "the text", "on_text": on_text, "artifact": found.to_json(), "eager": {}}
+    return Quality(QualityBudget(max_kld=0.1, min_top1=0.8), found, {}, None, text, None)
 
 
 def test_each_budget_fails_quality_alone_and_says_which() -> None:
     assert quality(0.1, 0.8).passed
     (kld,) = quality(0.2, 0.9).failures
-    assert kld == "mean KL divergence 0.2 nats is above quantize.max_kld=0.1"
+    assert kld == "mean KL divergence 0.2 nats on the text is above quantize.budget.max_kld=0.1"
     (top1,) = quality(0.01, 0.75).failures
-    assert top1 == "top-1 agreement 0.75 is below quantize.min_top1=0.8"
+    assert top1 == "top-1 agreement 0.75 on the text is below quantize.budget.min_top1=0.8"
     assert len(quality(0.2, 0.5).failures) == 2
     assert quality(float("nan"), 0.9).failures, "NaN never passes"
     assert quality(0.2, 0.9).verdict().startswith("quality (what quantization costs) fails:")
+
+
+def test_on_random_token_ids_top1_is_not_judged() -> None:
+    # A random-weight model's nearly flat predictions flip on any change: only KLD counts.
+    assert quality(0.01, 0.1, on_text=False).passed
+    assert "top-1 is judged on text only" in quality(0.01, 0.1, on_text=False).verdict()
+    assert len(quality(0.2, 0.1, on_text=False).failures) == 1
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +55,10 @@ def over_budget(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     """The planted case: a budget that 8da4w exceeds, on an artifact that computes what the
     quantized model computes."""
     return run_exporter(
-        tmp_path_factory.mktemp("quality"), "backend=eager", *QUANTIZED, "quantize.max_kld=1e-9"
+        tmp_path_factory.mktemp("quality"),
+        "backend=eager",
+        *QUANTIZED,
+        "quantize.budget.max_kld=1e-9",
     )
 
 
@@ -53,7 +67,10 @@ def test_a_scheme_over_the_quality_budget_fails_on_quality_while_fidelity_passes
 ) -> None:
     assert over_budget.exit_code == 1, over_budget.output
     assert "FAILED (exit 1) at the validate stage (quality): quality" in over_budget.output
-    assert "above quantize.max_kld=1e-09" in over_budget.output
+    # No tokenizer: quality is judged on rows of random token ids, as the model is validated.
+    assert "on 5 rows of 16 random token ids is above quantize.budget.max_kld=1e-09" in (
+        over_budget.output
+    )
     report = over_budget.report()
     # Fidelity: the artifact against the quantized model, passed.
     assert report["passed"] is True
@@ -71,7 +88,8 @@ def test_a_scheme_over_the_quality_budget_fails_on_quality_while_fidelity_passes
     summary = json.loads((over_budget.run_dir / "summary.json").read_text())
     assert summary["failed_on"] == "quality"
     assert summary["quality_passed"] is False
-    assert summary["quality_kld_mean"] == section["artifact"]["kld_mean"]
+    # The figures the budget judged: the artifact on the rows of random token ids.
+    assert summary["quality_kld_mean"] == section["text"]["artifact"]["kld_mean"]
 
 
 def test_mlflow_and_the_comparison_carry_quality(over_budget: CliResult) -> None:
@@ -93,7 +111,7 @@ def test_mlflow_and_the_comparison_carry_quality(over_budget: CliResult) -> None
     headers, table = rows([JobSummary.read(over_budget.run_dir)])
     row = dict(zip(headers, table[0], strict=True))
     assert row["failed_on"] == "quality"
-    assert row["quality_kld_mean"] == metrics["quality.kld_mean"]
+    assert row["quality_kld_mean"] == metrics["quality.text.kld_mean"]
 
 
 def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_and_ranks_layers(
@@ -106,6 +124,9 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
         *gguf_checkpoint.chat_job(path),
         "quantize=8da8w",
         "quantize.attribution=true",
+        # Random weights: their nearly flat predictions on text flip on any change
+        # (tests/test_quantize_auto.py judges a trained model's top-1).
+        "quantize.budget.min_top1=0",
     )
     assert record.error is None, record.error
     section = report["quality"]
@@ -117,11 +138,16 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
     assert greedy["artifact"] == report["greedy"]["artifact"]
     assert len(greedy["float"]) == len(greedy["artifact"]) == 11
     assert greedy["text"]["artifact"] == report["greedy"]["text"]["artifact"]
-    # Perplexity on the cache's 32 positions of the text, and the quantized model's figures there.
-    perplexity = section["perplexity"]
-    assert perplexity["tokens"] == 32
-    assert perplexity["ratio"] == pytest.approx(perplexity["quantized"] / perplexity["float"])
-    assert 1 < perplexity["float"] < 1000 and perplexity["next_token"]["positions"] == 32
+    # The artifact on 5 rows of the text, each the cache's 32 slots: its perplexity, KLD and
+    # top-1 against the float model's, beside the quantized model's in eager.
+    on_text = section["text"]
+    assert on_text["on_text"] and on_text["source"].startswith("Python's documentation")
+    found = on_text["artifact"]
+    assert found["positions"] == on_text["eager"]["positions"] == 5 * 32
+    ratio = found["perplexity"] / found["perplexity_float"]
+    assert found["perplexity_ratio"] == pytest.approx(ratio)
+    assert 1 < found["perplexity_float"] < 1000
+    assert found["kld_mean"] == pytest.approx(on_text["eager"]["kld_mean"], rel=0.5)
     # Two decoder layers' 7 linear layers and the output projection, each quantized alone.
     layers = report["attribution"]["layers"]
     assert len(layers) == 15
@@ -135,7 +161,7 @@ def test_a_kv_cache_job_measures_quality_per_step_on_text_beside_float_greedy_an
     record.ended_ms = record.started_ms + 1000
     summary = JobSummary.of(record, {})
     closing = "\n".join(job_verdict.lines(summary, 0, tmp_path, [], [], 1.0))
-    assert f"quality vs float: KLD {section['artifact']['kld_mean']:.3g}" in closing
+    assert f"quality vs float: KLD {found['kld_mean']:.3g}" in closing
     assert f"artifact {greedy['text']['artifact']!r}" in closing
     assert f"(quantize.attribution): quantize.skip=[{','.join(worst)}]" in closing
 

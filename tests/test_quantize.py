@@ -134,7 +134,7 @@ def test_each_scheme_on_eager_passes_fidelity(tmp_path: Path, overrides: tuple[s
     [
         (
             ("backend=executorch", "quantize=int8_weight"),
-            "quantize=int8_weight: backend=executorch runs quantize=none, 8da4w, 8da8w only",
+            "quantize=int8_weight: backend=executorch runs quantize=none, 8da4w, 8da8w, auto only",
         ),
         (
             ("backend=executorch", "quantize=8da4w", "quantize.embedding=int4"),

@@ -42,6 +42,13 @@ class AotiConfig(BackendConfig):
     rtol: float = 1.0e-3
     device: str = "cpu"
 
+    def quantize_recipes(self) -> tuple[str, ...]:
+        # On the CPU, PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit
+        # codes); on CUDA, torchao's weight-only layers.
+        if self.device == "cpu":
+            return ("int4", "int8", "float")
+        return ("int4_weight", "int8_weight", "float")
+
 
 class Aoti(Backend):
     def check(self, config: AotiConfig, fallback: FallbackConfig) -> None:

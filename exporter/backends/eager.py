@@ -34,6 +34,13 @@ class EagerConfig(BackendConfig):
     rtol: float = 1.0e-4
     device: str = "cpu"
 
+    def quantize_recipes(self) -> tuple[str, ...]:
+        # On the CPU, PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit
+        # codes); on CUDA, torchao's weight-only layers.
+        if self.device == "cpu":
+            return ("int4", "int8", "float")
+        return ("int4_weight", "int8_weight", "float")
+
 
 class Eager(Backend):
     def check(self, config: EagerConfig, fallback: FallbackConfig) -> None:

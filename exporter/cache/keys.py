@@ -10,6 +10,7 @@ tolerances and the device an artifact runs on re-use the lowered artifact.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ def model(job: JobConfig) -> dict[str, Any]:
         quantize = {
             "config": dataclasses.asdict(job.quantize),
             "group_scales": backends.configured(job).group_scales,
+            # What quantize=auto plans with, and the text it measures on: the plan, and so the
+            # model, depends on both.
+            "recipes": list(job.backend.quantize_recipes()),
+            "eval_text": _digest(job.quantize.eval_text),
             "code": code_of(["exporter.quantize"]),
         }
     material = {
@@ -72,6 +77,17 @@ def checkpoint_files(cfg: ModelConfig) -> list[Path]:
     if Path(checkpoint).is_file():  # a GGUF file named itself
         return [Path(checkpoint)]
     return sorted(path for path in Path(checkpoint).rglob("*") if path.is_file())
+
+
+def _digest(path: str | None) -> str | None:
+    return None if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def plan(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:
+    """What determines quantize=auto's plan: the model with its quantize settings (recipes and
+    text included), and the seed of the random token rows a model without a tokenizer is
+    measured on."""
+    return {"model": model_material, "seed": job.validate.seed}
 
 
 def export(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:

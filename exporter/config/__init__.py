@@ -7,6 +7,7 @@ values; `JobConfig.__post_init__` checks what types alone cannot (bounds, tolera
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, fields, is_dataclass
 from difflib import get_close_matches
 from enum import Enum
@@ -222,9 +223,11 @@ class CustomModelConfig(ModelConfig):
 #   8da8w        int8 activations per token, int8 weights per output channel
 #   int8_weight  weights only (activations stay floating), int8 per output channel
 #   int4_weight  weights only, int4 per group
+#   auto         a precision and recipe per layer, the fewest bytes within quantize.budget; a
+#                GGUF checkpoint's own codes kept where the backend's kernels hold them
 QuantScheme = Enum(
     "QuantScheme",
-    [(name, name) for name in ("none", "8da4w", "8da8w", "int8_weight", "int4_weight")],
+    [(name, name) for name in ("none", "8da4w", "8da8w", "int8_weight", "int4_weight", "auto")],
 )
 
 
@@ -261,6 +264,11 @@ class BackendConfig:
     atol: float = MISSING
     rtol: float = MISSING
     device: str = "cpu"
+
+    def quantize_recipes(self) -> tuple[str, ...]:
+        """What `quantize=auto` chooses from per layer on this backend, smallest first
+        (exporter/quantize/recipes.py names them); none: it plans nothing here."""
+        return ()
 
     def __post_init__(self) -> None:
         if self.device not in self.devices:
@@ -513,44 +521,62 @@ class BenchmarkConfig:
 
 
 @dataclass
+class QualityBudget:
+    """What quantization may cost against the float model: the mean next-token KL divergence at
+    most `max_kld` nats and the top-1 agreement at least `min_top1`, over the positions of the
+    text quality is measured on (a model with a tokenizer; `quantize.eval_text`). A model
+    without one is measured on random token ids, where only `max_kld` is judged: a random-weight
+    model's next-token distributions are nearly flat, and its top token flips on any change.
+
+    The defaults come from measurements on a trained model (docs/quantization.md): they pass
+    what llama.cpp's own run of a 4-bit GGUF file costs, with room, and fail a model that loses
+    one next token in ten.
+    """
+
+    max_kld: float = 0.05
+    min_top1: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.max_kld < 0:
+            raise ConfigError(f"quantize.budget.max_kld is {self.max_kld}; it must be 0 or more.")
+        if not 0 <= self.min_top1 <= 1:
+            raise ConfigError(
+                f"quantize.budget.min_top1 is {self.min_top1}; it must be between 0 and 1 (a "
+                "fraction of the positions)."
+            )
+
+
+@dataclass
 class QuantizeConfig:
     """Quantization of the model before export, and how much quality it may cost.
 
     The artifact is judged twice: for fidelity, against the quantized model (a float64 oracle of
     its own arithmetic, the reference rule against the quantized model in eager); for quality,
-    the artifact's own next-token logits against the float model's (mean KL divergence over the
-    judged positions at most `max_kld` nats, top-1 agreement at least `min_top1`).
-    `attribution` measures the quality each layer costs; `skip` names the modules (fully
-    qualified, as `model.named_modules()` gives them) left in float.
-
-    The defaults catch a broken quantization, not a costly one. SmolLM2-135M-Instruct in eager,
-    float32, on 3 rows of 64 random token ids as a job's sessions (on 256 tokens of English
-    text): int8_weight KLD 0.0125, top-1 0.859 (0.0051, 0.938); 8da8w 0.0706, 0.776 (0.0241,
-    0.898); int4_weight 1.32, 0.229 (0.539, 0.566); 8da4w 1.39, 0.208 (0.569, 0.582; perplexity
-    ratio 1.62). A random-weight Llama under 8da4w: 1.8e-4, 0.87. A max_kld of 2.0 passes them
-    all (8da4w with 1.4 times headroom) and fails a trained model's predictions turned unrelated
-    to the float model's. Top-1 has no floor by default (0): on the flat distributions of a
-    random-weight model it says nothing (llama_1b under int4_weight on cuda, KLD 0.189, agreed
-    at 6% of positions), and a trained model's broken quantization already fails on KLD; a user
-    sets one for a trained model. docs/quantization.md has the table."""
+    the artifact's own next-token logits against the float model's, within `budget`, on text
+    where the model has a tokenizer (Python's documentation, or the file `eval_text`).
+    `scheme=auto` chooses a precision and recipe per layer, the fewest bytes within the budget
+    (a GGUF checkpoint's own codes where the backend holds them). `attribution` measures the
+    quality each layer costs; `skip` names the modules (fully qualified, as
+    `model.named_modules()` gives them) left in float. `llama_cpp` runs a GGUF checkpoint with
+    llama.cpp on the same text and reports its figures beside the artifact's (llama-cpp-python
+    installed; runtimes/loaders/llama_cpp.py)."""
 
     scheme: QuantScheme = QuantScheme.none
     group_size: int = 32
     embedding: EmbeddingQuant = EmbeddingQuant.none
-    max_kld: float = 2.0
-    min_top1: float = 0.0
+    budget: QualityBudget = field(default_factory=QualityBudget)
+    eval_text: str | None = None
+    llama_cpp: bool = False
     attribution: bool = False
     skip: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ConfigError(f"quantize.group_size is {self.group_size}; it must be 1 or more.")
-        if self.max_kld < 0:
-            raise ConfigError(f"quantize.max_kld is {self.max_kld}; it must be 0 or more.")
-        if not 0 <= self.min_top1 <= 1:
+        if self.eval_text is not None and not Path(self.eval_text).is_file():
             raise ConfigError(
-                f"quantize.min_top1 is {self.min_top1}; it must be between 0 and 1 (a fraction "
-                "of the positions)."
+                f"quantize.eval_text={self.eval_text}: no such file (a UTF-8 text that quality "
+                "is measured on)."
             )
 
     @property
@@ -683,6 +709,40 @@ class JobConfig:
                     f"{key}={choice.value}: backend={backend.name} runs {key}={names} only "
                     f"(allowed values of {key} with this backend). {backend.quant_refusal}"
                 )
+        if quantize.llama_cpp:
+            self._check_llama_cpp()
+        if quantize.scheme is QuantScheme("auto"):
+            if not backend.quantize_recipes():
+                raise ConfigError(
+                    f"quantize=auto: backend={backend.name} on {backend.device} has no "
+                    "quantized layers to plan with; use backend=aoti or eager (cpu), or "
+                    "executorch."
+                )
+            if quantize.embedding is not EmbeddingQuant.none:
+                raise ConfigError(
+                    "quantize.embedding: quantize=auto plans the token embedding with the rest "
+                    "of the model; leave quantize.embedding=none."
+                )
+
+    def _check_llama_cpp(self) -> None:
+        """quantize.llama_cpp runs the GGUF file a quantized model was read from, with
+        llama-cpp-python."""
+        checkpoint = getattr(self.model, "checkpoint", None)
+        if not self.quantize.enabled or not checkpoint:
+            raise ConfigError(
+                "quantize.llama_cpp: llama.cpp runs the GGUF checkpoint a quantized model was "
+                "read from; set model.checkpoint=FILE.gguf and a quantize scheme."
+            )
+        if hf_checkpoint.gguf_file(Path(checkpoint)) is None:
+            raise ConfigError(
+                f"quantize.llama_cpp: model.checkpoint={checkpoint} is no GGUF file, which "
+                "llama.cpp runs."
+            )
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise ConfigError(
+                "quantize.llama_cpp: llama.cpp's Python binding is not installed: pip install "
+                "llama-cpp-python (it builds llama.cpp for this machine)."
+            )
 
     def _check_cache(self) -> None:
         """A prefill must fit the cache: the seq bound at most `model.max_cache_len`."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import shutil
 import socket
@@ -33,6 +34,7 @@ from exporter import audit, benchmark, config, export, localize, models, quantiz
 from exporter.backends import Artifact, ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
+from exporter.config import hf_checkpoint
 from exporter.errors import QualityFailed, RuntimeFailed, ValidationFailed
 from exporter.export import Exported
 from exporter.files import write_json
@@ -40,16 +42,17 @@ from exporter.job.produced import CacheUse, Produced
 from exporter.job.timing import Notify, stage
 from exporter.localize import repair
 from exporter.process import memory, progress
-from exporter.quantize import attribution
+from exporter.quantize import attribution, quality
 from exporter.quantize import verdict as quality_verdict
 from exporter.tracking.record import JobRecord
-from exporter.validate import goldens, sessions
+from exporter.validate import goldens, sessions, text
 from exporter.validate.plan import plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
 from runtimes.files import PARTIAL_PREFIX
 from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
+from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.report import json_safe
 from runtimes.verdict.sessions import calls_up_to, outline
 from runtimes.verdict.sessions import judged as judged_steps
@@ -58,6 +61,7 @@ from runtimes.verdict.shapes import NEW_INSTANCE, SAME_INSTANCE, LiveShape, exec
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
+PLAN_FILE = "plan.json"
 BUNDLE_DIR = "bundle"
 
 
@@ -212,8 +216,12 @@ class _Sequence:
         if job.quantize.enabled:
             with self.timed("quantize"):
                 scales = self.backend.group_scales
-                bundle = quantize.quantized(bundle, job.quantize, scales)
-                produced.quantization = quantize.summary(bundle.module, job.quantize, scales)
+                plan = None
+                if job.quantize.scheme is config.QuantScheme("auto"):
+                    bundle, plan = _planned(bundle, model_material, job, scales, self.store)
+                else:
+                    bundle = quantize.quantized(bundle, job.quantize, scales)
+                produced.quantization = quantize.summary(bundle.module, job.quantize, scales, plan)
                 log.info("[quantize] %s", produced.quantization.line())
         program = None
         if not job.artifact:
@@ -319,12 +327,16 @@ class _Sequence:
         log.info("[validate] report (%s):\n%s", report_file, produced.report.table())
         log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
         if measuring is not None:
-            quantize_cfg = self.job.quantize
+            on_text, llama_cpp = None, None
+            if goldens.text:
+                on_text, llama_cpp = _on_text(lowered.artifact, expected, self.job)
             produced.quality = quality_verdict.judged(
-                quantize_cfg.max_kld,
-                quantize_cfg.min_top1,
+                self.job.quantize.budget,
                 measuring,
                 goldens.quality,
+                goldens.text,
+                on_text,
+                llama_cpp,
                 produced.report.generation,
                 (goldens.greedy or {}).get("tokenizer"),
             )
@@ -397,6 +409,40 @@ def _export(
     return ProgramFile(kept, export.profiles(bundle), material, diagnosis, metadata, state)
 
 
+def _planned(
+    bundle: models.ModelBundle,
+    model_material: dict[str, Any],
+    job: config.JobConfig,
+    group_scales: str | None,
+    store: _Store,
+) -> tuple[models.ModelBundle, quantize.plans.Plan]:
+    """quantize=auto: the model quantized by its plan, searched on the quality text or taken from
+    the cache, where an earlier job found it for the same model, settings and backend (plan.json,
+    linked into the run dir)."""
+    cfg, recipes = job.quantize, job.backend.quantize_recipes()
+    text, on_text = quality.eval_rows(bundle, cfg.eval_text, job.validate.seed)
+    log.info("[quantize] planning on %d positions of %s", text.positions, text.source)
+
+    def measure(units: Sequence[quantize.plans.Unit]) -> quantize.plans.Measure:
+        return quantize.plans.Measure(bundle.module, quality.logits_runner(bundle), text.rows)
+
+    searched: list[models.ModelBundle] = []
+
+    def build(out: Path) -> None:
+        planned, found = quantize.planned(
+            bundle, cfg, recipes, measure, on_text, None, group_scales
+        )
+        searched.append(planned)
+        write_json(out / PLAN_FILE, found.to_json())
+
+    with store.built("plan", cache_keys.plan(job, model_material), build) as folder:
+        link_files(folder, store.run_dir)
+        found = quantize.plans.Plan.from_json(json.loads((folder / PLAN_FILE).read_text()))
+    if searched:
+        return searched[0], found
+    return quantize.planned(bundle, cfg, recipes, measure, on_text, found, group_scales)
+
+
 def _cache_buffers(bundle: models.ModelBundle) -> frozenset[str]:
     return frozenset(bundle.decoder.cache_buffers if bundle.decoder else ())
 
@@ -416,7 +462,7 @@ def _goldens(
         shapes = plan(bundle.dims, job.validate.extra_shapes, job.validate.random_shapes, seed)
 
         def compute() -> stored_goldens.Goldens:
-            return goldens.compute(bundle, shapes, seed, device)
+            return goldens.compute(bundle, shapes, seed, device, job.quantize.eval_text)
 
     else:
         (seq,) = bundle.dims
@@ -425,7 +471,13 @@ def _goldens(
 
         def compute() -> stored_goldens.Goldens:
             return sessions.compute(
-                bundle, planned, job.validate.greedy_tokens, device, job.validate.prompt
+                bundle,
+                planned,
+                job.validate.greedy_tokens,
+                device,
+                job.validate.prompt,
+                job.quantize.eval_text,
+                seed,
             )
 
     material = cache_keys.goldens(job, model_material, shapes)
@@ -483,6 +535,33 @@ def _validated(
         expected.tolerances,
         measuring.add if measuring else lambda key, outputs: None,
     )
+
+
+def _on_text(
+    artifact: Artifact, expected: Expected, job: config.JobConfig
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The artifact's own figures on the quality text (exporter/validate/text.py), on an
+    instance of its own; with quantize.llama_cpp, llama.cpp's on the GGUF file beside them."""
+    goldens = expected.goldens
+    slots = len(goldens.sessions[0]["tokens"]) if goldens.sessions else None
+    longest = max(bounds.max for bounds in job.dynamic.values())
+    log.info("[quality] the artifact on %s", goldens.text["source"])
+    try:
+        logits = text.run(_loader(artifact), goldens.text, slots, longest)
+    except ArtifactFailed as error:
+        raise RuntimeFailed(str(error)) from error
+    found = text.measured(goldens.text["float"], logits, goldens.text["rows"])
+    if not job.quantize.llama_cpp:
+        return found, None
+    checkpoint = hf_checkpoint.gguf_file(Path(job.model.checkpoint))
+    log.info("[quality] llama.cpp on %s, the same rows", checkpoint)
+    try:
+        beside = text.run(
+            lambda: load_runtime(checkpoint, "llama_cpp"), goldens.text, slots, longest
+        )
+    except ArtifactFailed as error:
+        raise RuntimeFailed(f"llama.cpp (quantize.llama_cpp): {error}") from error
+    return found, text.measured(goldens.text["float"], beside, goldens.text["rows"])
 
 
 def _bundle(

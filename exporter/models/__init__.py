@@ -101,6 +101,7 @@ def build(
         logits_outputs=declaration.logits_outputs,
         decoder=declaration.decoder,
         export_strict=declaration.export_strict,
+        file_quantization=declaration.file_quantization,
     )
 
 

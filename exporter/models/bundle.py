@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exporter.config import DimMode, ModelDtype
+
+if TYPE_CHECKING:
+    from exporter.models.gguf_codes import FileQuantization
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class ModelBundle:
     # A quantized model's float original (exporter/quantize/), which the quality verdict
     # compares it with; None: the model is not quantized.
     unquantized: ModelBundle | None = None
+    # Reads what the checkpoint stored quantized (a GGUF file's codes), for quantize=auto to
+    # carry; None: the checkpoint stored floats.
+    file_quantization: Callable[[], FileQuantization] | None = None
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
@@ -125,6 +131,7 @@ class ModelDeclaration:
     logits_outputs: tuple[str, ...] = ()
     decoder: Decoder | None = None
     export_strict: bool = False
+    file_quantization: Callable[[], FileQuantization] | None = None
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

@@ -4,6 +4,7 @@ transformers dequantizes into the float model. Local files only, never remote co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from transformers.models.auto.modeling_auto import (
 
 from exporter.config import HfConfig, hf_checkpoint
 from exporter.errors import ConfigError
+from exporter.models import gguf_codes
 from exporter.models.bundle import ModelDeclaration, torch_dtype
 from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
@@ -35,11 +37,25 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     model = load(checkpoint, config, torch_dtype(cfg.dtype))
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
-    return declare_causal_lm(
+    declaration = declare_causal_lm(
         model,
         getattr(config, "max_position_embeddings", None),
         cache_slots(cfg),
         functools.partial(load_tokenizer, checkpoint),
+    )
+    return with_file_quantization(declaration, checkpoint, model)
+
+
+def with_file_quantization(
+    declaration: ModelDeclaration, checkpoint: Path, model: PreTrainedModel
+) -> ModelDeclaration:
+    """The declaration of a GGUF checkpoint's model with what reads its quantized codes
+    (exporter/models/gguf_codes.py), for quantize=auto to carry; else unchanged."""
+    gguf = hf_checkpoint.gguf_file(checkpoint)
+    if gguf is None:
+        return declaration
+    return dataclasses.replace(
+        declaration, file_quantization=functools.partial(gguf_codes.read, gguf, model)
     )
 
 

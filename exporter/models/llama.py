@@ -20,16 +20,16 @@ from exporter.models.causal_lm import cache_slots, declare_causal_lm
 
 def declare(cfg: LlamaConfig) -> ModelDeclaration:
     dtype = torch_dtype(cfg.dtype)
-    tokenizer = None
-    if cfg.checkpoint:
-        checkpoint = Path(cfg.checkpoint)
-        model = _load_checkpoint(checkpoint, dtype)
-        tokenizer = functools.partial(hf.load_tokenizer, checkpoint)
-    else:
+    if not cfg.checkpoint:
         model = _random_model(cfg, dtype)
-    return declare_causal_lm(
+        return declare_causal_lm(model, model.config.max_position_embeddings, cache_slots(cfg))
+    checkpoint = Path(cfg.checkpoint)
+    model = _load_checkpoint(checkpoint, dtype)
+    tokenizer = functools.partial(hf.load_tokenizer, checkpoint)
+    declaration = declare_causal_lm(
         model, model.config.max_position_embeddings, cache_slots(cfg), tokenizer
     )
+    return hf.with_file_quantization(declaration, checkpoint, model)
 
 
 def _random_model(cfg: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:

@@ -1,5 +1,7 @@
 """The quantize stage: the model's linear layers (and, where asked, its token embedding)
-quantized with torchao, in place on a copy, the float model kept beside it.
+quantized with torchao, in place on a copy, the float model kept beside it; with
+`quantize=auto`, each layer by the recipe of a plan (exporter/quantize/plan.py), a GGUF
+checkpoint's own codes kept where the backend holds them.
 
 The quantized module is what export, the goldens and the audit see from here on. The float model
 rides along as `ModelBundle.unquantized`, for the verdict on what quantization costs (quality),
@@ -14,20 +16,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchao.quantization import (
-    Int8DynamicActivationIntxWeightConfig,
-    IntxUnpackedToInt8Tensor,
-    IntxWeightOnlyConfig,
-    quantize_,
-)
-from torchao.quantization.granularity import PerAxis, PerGroup
+from torchao.quantization import IntxUnpackedToInt8Tensor, quantize_
 
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models.bundle import ModelBundle
+from exporter.quantize import plan as plans
+from exporter.quantize.packed import PackedEmbedding, PackedLinear
+from exporter.quantize.recipes import embedding_config, linear_config
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,17 @@ class Quantization:
     embedding_layers: int
     skipped: tuple[str, ...]
     scales_rounded_to: str | None
+    plan: plans.Plan | None = None
 
     def line(self) -> str:
+        if self.plan is not None:
+            return "\n".join(
+                [
+                    f"quantized by plan: {self.linear_layers} linear layers, "
+                    f"{self.embedding_layers} embedding",
+                    *self.plan.lines(),
+                ]
+            )
         text = (
             f"quantized: {self.scheme}, group {self.group_size}, {self.linear_layers} linear "
             f"layers, embedding {self.embedding}"
@@ -61,7 +70,9 @@ class Quantization:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        found = dataclasses.asdict(self)
+        found["plan"] = self.plan and self.plan.to_json()
+        return found
 
 
 def quantized(
@@ -76,9 +87,7 @@ def quantized(
     copy costs no float model's worth at its peak. `group_scales`: the dtype (a torch dtype's
     name) the per-group weight scales are rounded to, for a backend that reads them so."""
     float_bundle = bundle
-    modules = [bundle.module, *([bundle.decoder.uncached] if bundle.decoder else [])]
-    shared = {id(p): p for module in modules for p in module.parameters()}
-    bundle = copy.deepcopy(bundle, memo=shared)
+    bundle = _copy_sharing_parameters(bundle)
     skipped = frozenset(cfg.skip)
     if cfg.scheme is not QuantScheme.none:
         quantize_(bundle.module, linear_config(cfg), filter_fn=_linear_filter(skipped))
@@ -90,22 +99,68 @@ def quantized(
     return dataclasses.replace(bundle, unquantized=float_bundle)
 
 
+def planned(
+    bundle: ModelBundle,
+    cfg: QuantizeConfig,
+    recipe_names: tuple[str, ...],
+    measure: Callable[[Sequence[plans.Unit]], plans.Measure],
+    on_text: bool,
+    found: plans.Plan | None = None,
+    group_scales: str | None = None,
+) -> tuple[ModelBundle, plans.Plan]:
+    """`bundle` with each layer quantized by the plan (`found`, or searched with
+    `measure(units)`: exporter/quantize/plan.py), the layers a GGUF checkpoint stored quantized
+    from its own codes where a recipe holds them; its `unquantized` is the float model."""
+    stored = {}
+    if bundle.file_quantization is not None:
+        stored = bundle.file_quantization().by_layer(bundle.module)
+    units = plans.units(bundle.module, recipe_names, stored, cfg.skip)
+    if found is None:
+        found = plans.search(units, measure(units), cfg.budget, on_text)
+    float_bundle = bundle
+    bundle = _copy_sharing_parameters(bundle)
+    plans.apply(bundle.module, found, units)
+    if group_scales is not None:
+        for weight in _per_group(bundle.module):
+            weight.scale.copy_(weight.scale.to(getattr(torch, group_scales)))
+    return dataclasses.replace(bundle, unquantized=float_bundle), found
+
+
+def _copy_sharing_parameters(bundle: ModelBundle) -> ModelBundle:
+    """A copy of the bundle with modules and buffers of its own (a KV cache is written as the
+    model runs) and the float model's parameters (module docstring of `quantized`)."""
+    modules = [bundle.module, *([bundle.decoder.uncached] if bundle.decoder else [])]
+    shared = {id(p): p for module in modules for p in module.parameters()}
+    return copy.deepcopy(bundle, memo=shared)
+
+
 def summary(
-    module: torch.nn.Module, cfg: QuantizeConfig, group_scales: str | None = None
+    module: torch.nn.Module,
+    cfg: QuantizeConfig,
+    group_scales: str | None = None,
+    plan: plans.Plan | None = None,
 ) -> Quantization:
-    """What `quantized` made of `module`: the layers whose weights it quantized."""
-    layers = {torch.nn.Linear: 0, torch.nn.Embedding: 0}
+    """What `quantized` (or `planned`, by `plan`) made of `module`: the layers whose weights it
+    quantized."""
+    linear = embedding = 0
     for submodule in module.modules():
-        if type(submodule) in layers and _is_quantized(submodule):
-            layers[type(submodule)] += 1
+        if isinstance(submodule, PackedLinear) or (
+            type(submodule) is torch.nn.Linear and _is_quantized(submodule)
+        ):
+            linear += 1
+        elif isinstance(submodule, PackedEmbedding) or (
+            type(submodule) is torch.nn.Embedding and _is_quantized(submodule)
+        ):
+            embedding += 1
     return Quantization(
         scheme=cfg.scheme.value,
         group_size=cfg.group_size,
-        linear_layers=layers[torch.nn.Linear],
-        embedding=cfg.embedding.value,
-        embedding_layers=layers[torch.nn.Embedding],
+        linear_layers=linear,
+        embedding="planned" if plan else cfg.embedding.value,
+        embedding_layers=embedding,
         skipped=tuple(cfg.skip),
         scales_rounded_to=group_scales if _per_group(module) else None,
+        plan=plan,
     )
 
 
@@ -123,31 +178,6 @@ def _per_group(module: torch.nn.Module) -> list[IntxUnpackedToInt8Tensor]:
             if weight.block_size[-1] < weight.shape[-1]:
                 weights[id(weight)] = weight
     return list(weights.values())
-
-
-def linear_config(cfg: QuantizeConfig) -> object:
-    """torchao's configuration of `cfg`'s scheme for a linear layer (attribution applies it to
-    one layer at a time)."""
-    group = PerGroup(cfg.group_size)
-    channel = PerAxis(0)
-    if cfg.scheme is QuantScheme("8da4w"):
-        return Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4, weight_granularity=group
-        )
-    if cfg.scheme is QuantScheme("8da8w"):
-        return Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int8, weight_granularity=channel
-        )
-    if cfg.scheme is QuantScheme("int8_weight"):
-        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=channel)
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=group)
-
-
-def embedding_config(cfg: QuantizeConfig) -> IntxWeightOnlyConfig:
-    """torchao's configuration of `cfg.embedding` for the token embedding's table."""
-    if cfg.embedding is EmbeddingQuant.int8:
-        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size))
 
 
 def _linear_filter(skipped: frozenset[str]):

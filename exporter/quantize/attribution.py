@@ -23,8 +23,8 @@ from torchao.quantization import quantize_
 
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models import ModelBundle
-from exporter.quantize import embedding_config, linear_config
 from exporter.quantize.quality import NextToken, PerPosition, per_position
+from exporter.quantize.recipes import embedding_config, linear_config
 from runtimes.verdict.goldens import Goldens
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,16 @@ artifact's own outputs (exporter/quantize/verdict.py judges them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
+
+from exporter.errors import ConfigError
+from exporter.models.bundle import ModelBundle
 
 
 @dataclass(frozen=True)
@@ -115,10 +122,97 @@ class Perplexity:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def text() -> tuple[str, str]:
-    """The natural English text that perplexity is measured on, and where it comes from: the
-    Python documentation's section on exceptions, as the standard library ships it (no file to
-    fetch, the same wherever the job runs)."""
-    from pydoc_data.topics import topics
+# The sections of Python's documentation (pydoc_data.topics, shipped with Python: nothing to
+# fetch, the same text wherever the job runs) that quality is measured on by default: English
+# prose about code, a row of each.
+DEFAULT_TOPICS = ("exceptions", "assignment", "for", "with", "import")
+# Rows of a text file at most: its first ROWS * length tokens.
+ROWS = 5
+# A row's tokens at most: llama.cpp's perplexity tool judges chunks of a few hundred.
+ROW_TOKENS = 128
 
-    return "pydoc_data.topics['exceptions']", topics["exceptions"]
+
+class NotACausalLm(ConfigError):
+    """The model takes no token ids to next-token logits, so there is no text to measure it on."""
+
+
+@dataclass(frozen=True)
+class EvalText:
+    """The token rows quality is measured on, each `length` tokens, and where they come from."""
+
+    source: str
+    rows: tuple[torch.Tensor, ...]
+
+    @property
+    def positions(self) -> int:
+        return sum(int(row.numel()) for row in self.rows)
+
+
+def eval_text(tokenizer: Any, length: int, path: str | None = None) -> EvalText:
+    """Rows of `length` tokens: the first of each default topic of Python's documentation, or
+    consecutive ones of the UTF-8 file `path` (at most ROWS)."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        passages = [topics[name] for name in DEFAULT_TOPICS]
+        rows = [_ids(tokenizer, passage)[:length] for passage in passages]
+        source = f"Python's documentation (pydoc_data.topics: {', '.join(DEFAULT_TOPICS)})"
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(
+                f"quantize.eval_text={path}: cannot read it as UTF-8 text: {error}"
+            ) from error
+        ids = _ids(tokenizer, text)
+        rows = [ids[start : start + length] for start in range(0, len(ids), length)][:ROWS]
+        source = f"quantize.eval_text={path}"
+    rows = [row for row in rows if len(row) >= 2]
+    if not rows:
+        raise ConfigError(f"{source}: fewer than two tokens of text to measure quality on.")
+    return EvalText(source, tuple(torch.tensor(row, dtype=torch.long) for row in rows))
+
+
+def eval_rows(bundle: ModelBundle, path: str | None, seed: int) -> tuple[EvalText, bool]:
+    """What a quantized model's quality is measured on, and whether it is text: rows of the
+    checkpoint's tokenizer's text, each at most ROW_TOKENS (and the cache's slots) long; for a
+    model without a tokenizer, ROWS rows of random token ids, as its validation inputs are."""
+    seq = next((dim for dim in bundle.dims if dim.name == "seq"), None)
+    if seq is None or not bundle.logits_outputs or len(bundle.dims) != 1:
+        raise NotACausalLm(
+            f"quantize=auto plans a causal LM (token ids [1, seq] -> next-token logits) by what "
+            f"quantization costs its predictions; model {bundle.name} is none: choose a scheme "
+            "(quantize=8da4w, ...)."
+        )
+    decoder = bundle.decoder
+    length = min(ROW_TOKENS, seq.max)
+    if decoder is not None:
+        length = min(ROW_TOKENS, decoder.max_cache_len)
+        if decoder.tokenizer is not None:
+            return eval_text(decoder.tokenizer(), length, path), True
+    if path is not None:
+        raise ConfigError(
+            f"quantize.eval_text={path}: model {bundle.name} has no tokenizer to read it with "
+            "(a checkpoint's, with model.kv_cache=static)."
+        )
+    rows = tuple(
+        bundle.make_inputs({"seq": length}, seed + row)[0].reshape(-1) for row in range(ROWS)
+    )
+    return EvalText(f"{ROWS} rows of {length} random token ids", rows), False
+
+
+def logits_runner(bundle: ModelBundle) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+    """What runs the model on token rows: each row's logits [n, vocab] at the model's dtype, from
+    its model without a cache (which shares the layers of the one exported)."""
+    module = bundle.decoder.uncached if bundle.decoder else bundle.module
+    index = 0 if bundle.decoder else bundle.output_names.index(bundle.logits_outputs[0])
+
+    def run(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [pytree.tree_leaves(module(row.unsqueeze(0)))[index][0] for row in rows]
+
+    return run
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text))

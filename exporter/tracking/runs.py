@@ -510,20 +510,23 @@ def report_metrics(report: Report, at: int) -> list[Metric]:
 
 def _quality_metrics(quality: Quality, report: Report, at: int) -> list[Metric]:
     """A quantized artifact's quality against the float model: over every judged position
-    (`quality.kld_mean`, the quantized model's in eager beside it), then per live shape at its
+    (`quality.kld_mean`, the quantized model's in eager beside it), on the quality text
+    (`quality.text.kld_mean`, `quality.text.top1`, `quality.text.perplexity_ratio`, and
+    `quality.text.eager.*`, `quality.text.llama_cpp.*`), then per live shape at its
     step (`shape.quality.kld_mean`) or, with a KV cache, per session at each judged step's
     position (`session0.quality.kld_mean`)."""
     figures: dict[str, float] = {"quality.passed": float(quality.passed)}
     for who, found in (("quality", quality.artifact), ("quality.eager", quality.eager)):
         if found is not None:
             figures |= {f"{who}.{k}": v for k, v in found.to_json().items() if k != "positions"}
-    if quality.perplexity is not None:
-        found = quality.perplexity
-        figures |= {
-            "quality.ppl_float": found["float"],
-            "quality.ppl_quantized": found["quantized"],
-            "quality.ppl_ratio": found["ratio"],
-        }
+    if quality.text is not None:
+        for who in ("artifact", "eager", "llama_cpp"):
+            prefix = "quality.text" if who == "artifact" else f"quality.text.{who}"
+            figures |= {
+                f"{prefix}.{k}": v
+                for k, v in quality.text.get(who, {}).items()
+                if k != "positions"
+            }
     metrics = [Metric(key, value, at, 0) for key, value in figures.items()]
     cases = quality.artifact_per_case
     if report.sessions:

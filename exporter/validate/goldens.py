@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from exporter.errors import GoldensFailed
 from exporter.models import ModelBundle
 from exporter.quantize.verdict import Measuring
-from exporter.validate import quantized_layers
+from exporter.validate import quantized_layers, text
 from exporter.validate.oracle import float64_weights
 from runtimes.verdict.compare import EagerError, reference_error
 from runtimes.verdict.goldens import Goldens, Inputs, stored
@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 
 
 def compute(
-    bundle: ModelBundle, shapes: Sequence[LiveShape], seed: int, reference_device: str
+    bundle: ModelBundle,
+    shapes: Sequence[LiveShape],
+    seed: int,
+    reference_device: str,
+    eval_text: str | None = None,
 ) -> Goldens:
     inputs = {
         # Seeded by the shape itself, so adding a shape to the plan changes no other's inputs.
@@ -45,6 +49,7 @@ def compute(
         for key, (case, expected) in cases.items()
     }
     quality = {"eager": measuring.to_json()} if measuring else {}
+    on_text = text.goldens(bundle, eval_text, seed) if bundle.unquantized else {}
     return Goldens(
         kept,
         output_dtypes,
@@ -53,6 +58,7 @@ def compute(
         logits,
         unquantized=unquantized,
         quality=quality,
+        text=on_text,
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from exporter.quantize.packed import PackedEmbedding, PackedLinear
 from exporter.validate import quantized_layers
 
 
@@ -57,6 +58,8 @@ def float64_weights(module: torch.nn.Module, ties_flipped: bool = False) -> Iter
 def _quantized_forward(module: torch.nn.Module) -> Callable | None:
     """The float64 forward of a linear or embedding layer whose weight is quantized; None for
     any other module."""
+    if isinstance(module, PackedLinear | PackedEmbedding):
+        return _packed_float64
     weight = getattr(module, "weight", None)
     if weight is None or not quantized_layers.is_quantized(weight):
         return None
@@ -65,6 +68,14 @@ def _quantized_forward(module: torch.nn.Module) -> Callable | None:
     if type(module) is torch.nn.Embedding:
         return quantized_layers.embedding
     return None
+
+
+def _packed_float64(
+    module: PackedLinear | PackedEmbedding, x: torch.Tensor, ties_flipped: bool = False
+) -> torch.Tensor:
+    """A packed layer (exporter/quantize/packed.py) on its stored codes, scales and zeros, every
+    factor widened; it rounds no activation to an integer, so there are no ties to flip."""
+    return module.float64(x)
 
 
 def _own_floating(module: torch.nn.Module) -> list[tuple[dict, str]]:

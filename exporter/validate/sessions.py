@@ -4,7 +4,7 @@ and a greedy generation by both (runtimes/verdict/sessions.py runs and judges th
 from validate.prompt where it is set (a user's turn in the checkpoint's chat template, with the
 tokenizer kept so the generations can be read as text). A quantized model's goldens add the float
 model's float64 logits at the judged steps, eager's quality against them, the float model's
-greedy tokens and, with the checkpoint's tokenizer, the perplexity of both models on a text.
+greedy tokens, and both models on the quality text (exporter/validate/text.py).
 
 The oracle is the model without a cache (`Decoder.uncached`): one float64 call over a whole
 session's tokens gives the logits of every position, since a causal LM's logits at a position
@@ -22,9 +22,8 @@ import torch
 
 from exporter.errors import ConfigError, GoldensFailed
 from exporter.models import Decoder, DynamicDim, ModelBundle
-from exporter.quantize import quality
 from exporter.quantize.verdict import Measuring
-from exporter.validate import quantized_layers
+from exporter.validate import quantized_layers, text
 from exporter.validate.goldens import moved_to, wider
 from exporter.validate.oracle import float64_weights
 from runtimes.verdict import sessions
@@ -36,9 +35,6 @@ log = logging.getLogger(__name__)
 
 # The prompt of the greedy generation, at most: a chat turn's start.
 _PROMPT_TOKENS = 8
-# The text's tokens that perplexity is measured on, at most: a few hundred, as llama.cpp's
-# perplexity tool's chunks, and short enough for a 1B model's two eager calls.
-_PERPLEXITY_TOKENS = 256
 
 
 def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dict]:
@@ -74,6 +70,8 @@ def compute(
     greedy_tokens: int,
     reference_device: str,
     prompt_text: str | None = None,
+    eval_text: str | None = None,
+    seed: int = 0,
 ) -> Goldens:
     decoder = bundle.decoder
     assert decoder is not None
@@ -114,9 +112,10 @@ def compute(
     kept = {
         key: (inputs, [stored(expected[0], dtype)]) for key, (inputs, expected) in cases.items()
     }
-    found = {}
+    found, on_text = {}, {}
     if measuring is not None:
         found = _quality(bundle, measuring, prompt, len(eager_tokens))
+        on_text = text.goldens(bundle, eval_text, seed)
     return Goldens(
         kept,
         (dtype,),
@@ -127,6 +126,7 @@ def compute(
         greedy=greedy,
         unquantized=unquantized,
         quality=found,
+        text=on_text,
     )
 
 
@@ -172,40 +172,14 @@ def _unquantized(bundle: ModelBundle, planned: list[dict]) -> dict[str, torch.Te
 def _quality(
     bundle: ModelBundle, measuring: Measuring, prompt: torch.Tensor, greedy_count: int
 ) -> dict[str, Any]:
-    """What the goldens measure of quality: eager's against the float model at the judged steps,
-    the float model's greedy tokens (its float64 oracle's) after the prompt, and with the
-    checkpoint's tokenizer, both models' perplexity on a text and the quantized model's next-token
-    quality on it, both in eager at the model's dtype: the sessions' token ids are random, on
-    which a trained model's predictions are flatter than on text."""
+    """What the goldens measure of quality on the sessions: eager's against the float model at
+    the judged steps, and the float model's greedy tokens (its float64 oracle's) after the
+    prompt. The text's figures are exporter/validate/text.py's."""
     assert bundle.unquantized is not None and bundle.unquantized.decoder is not None
-    assert bundle.decoder is not None
-    float_decoder = bundle.unquantized.decoder
-    found: dict[str, Any] = {
+    return {
         "eager": measuring.to_json(),
-        "greedy_float": _oracle_greedy(float_decoder, prompt, greedy_count),
+        "greedy_float": _oracle_greedy(bundle.unquantized.decoder, prompt, greedy_count),
     }
-    if float_decoder.tokenizer is None:
-        return found
-    try:
-        tokenizer = float_decoder.tokenizer()
-    except ConfigError as error:
-        log.info("[goldens] no perplexity: %s", error)
-        return found
-    source, text = quality.text()
-    # No more positions than the model is exported for: a small model's may end before 256.
-    count = min(_PERPLEXITY_TOKENS, float_decoder.max_cache_len)
-    tokens = torch.tensor(tokenizer.encode(text)[:count], dtype=torch.long)
-
-    with torch.no_grad():
-        float_logits = float_decoder.uncached(tokens.unsqueeze(0))[0]
-        quantized_logits = bundle.decoder.uncached(tokens.unsqueeze(0))[0]
-    found["perplexity"] = quality.Perplexity(
-        source,
-        int(tokens.numel()),
-        quality.perplexity(float_logits, tokens),
-        quality.perplexity(quantized_logits, tokens),
-    ).to_json() | {"next_token": quality.next_token(float_logits, quantized_logits).to_json()}
-    return found
 
 
 def _oracle(decoder: Decoder, tokens: torch.Tensor, ties_flipped: bool = False) -> torch.Tensor:

@@ -52,6 +52,10 @@ class Goldens:
     # tokens. Empty for a float model.
     unquantized: dict[str, torch.Tensor] = field(default_factory=dict)
     quality: dict = field(default_factory=dict)
+    # A quantized causal LM: the rows of text (or random ids) its quality is measured on, the
+    # float model's float64 logits on them, and the quantized model's figures in eager
+    # (exporter/validate/text.py). Empty otherwise.
+    text: dict = field(default_factory=dict)
 
     def is_logits(self, index: int) -> bool:
         return bool(self.logits) and self.logits[index]

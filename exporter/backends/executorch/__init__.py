@@ -34,6 +34,7 @@ class ExecutorchConfig(BackendConfig):
         QuantScheme.none,
         QuantScheme("8da4w"),
         QuantScheme("8da8w"),
+        QuantScheme("auto"),
     )
     quant_refusal: ClassVar[str] = (
         "XNNPACK takes torchao's weight-only int8 and int4 linear layers without an error and "
@@ -52,6 +53,9 @@ class ExecutorchConfig(BackendConfig):
     # transformers' own (plain). A .pte with the custom ops loads where ExecuTorch's custom-ops
     # library is imported (runtimes/loaders/executorch.py imports it).
     llm_ops: LlmOps = LlmOps.custom
+
+    def quantize_recipes(self) -> tuple[str, ...]:
+        return ("8da4w", "8da8w", "float")
 
 
 # How its artifacts compute at a half dtype where that costs precision eager does not lose,

@@ -49,9 +49,10 @@ class JobSummary:
     # What failed validation: "fidelity" (the artifact against the model it was made from),
     # "quality" (a quantized artifact against the float model), or both.
     failed_on: str | None = None
-    # A quantized model: the artifact's quality against the float model (mean, p99 KL
-    # divergence in nats, top-1 agreement, mean drop of the float top token's probability),
-    # the perplexity ratio on a text where measured, its verdict, and the layers whose
+    # A quantized model: the artifact's quality against the float model where the budget judges
+    # it (on the quality text, else on the validation inputs: mean, p99 KL divergence in nats,
+    # top-1 agreement, mean drop of the float top token's probability), the perplexity ratio on
+    # the text, its verdict, and the layers whose
     # quantization costs the most (quantize.attribution), worst first.
     quality_passed: bool | None = None
     quality_kld_mean: float | None = None
@@ -293,13 +294,14 @@ def _take_quality(summary: JobSummary, record: JobRecord) -> None:
     quality = record.quality
     assert quality is not None
     summary.quality_passed = quality.passed
-    if quality.artifact is not None:
-        summary.quality_kld_mean = quality.artifact.kld_mean
-        summary.quality_kld_p99 = quality.artifact.kld_p99
-        summary.quality_top1 = quality.artifact.top1
-        summary.quality_prob_drop = quality.artifact.prob_drop
-    if quality.perplexity is not None:
-        summary.quality_ppl_ratio = quality.perplexity["ratio"]
+    judged = quality.under_budget
+    if judged is not None:
+        _, found = judged
+        summary.quality_kld_mean = found["kld_mean"]
+        summary.quality_kld_p99 = found["kld_p99"]
+        summary.quality_top1 = found["top1"]
+        summary.quality_prob_drop = found["prob_drop"]
+        summary.quality_ppl_ratio = found.get("perplexity_ratio")
     if quality.greedy is not None:
         summary.quality_greedy = quality.greedy["line"]
         if "text" in quality.greedy:

@@ -1,0 +1,227 @@
+"""Linear layers and embeddings whose weights are 4-bit or 8-bit codes per group of a row,
+computed by PyTorch's own int4 matrix multiply for the CPU (`aten._weight_int4pack_mm_for_cpu`),
+which eager PyTorch runs and AOTInductor compiles into its package as a call.
+
+The kernel takes a weight of 4-bit codes u in [0, 15] packed two to a byte, and per group of
+`group` codes along a row a scale s and a zero z: w = (u - 8) * s + z. It is fast with bfloat16
+activations, scales and zeros (on this project's CPUs 60 times its float32 path), so a layer here
+rounds its input to bfloat16, multiplies, and widens the bfloat16 product back to the model's
+dtype; the scales and zeros are kept in bfloat16. The codes are exact: a GGUF file's Q4_0, Q4_1
+and Q4_K codes go in unchanged (value = code * scale + offset: u = code - lowest code,
+z = offset + (8 + lowest code) * s), and Q8_0's int8 codes as two 4-bit planes, the high and the
+low nibble of code + 128:
+
+    q * s = 16 s * (high - 8) + s * (low - 8) + 8 s
+
+What the bfloat16 scales and activations cost is quantization's, measured against the float
+model (the file's own dequantized weights) on text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The CPU packing lays out rows in blocks of 64 (aten's int4pack for the CPU: the two nibbles of
+# a byte are rows j and j + 32 of a block, and the bytes of a block run along K).
+_ROW_BLOCK = 64
+_HALF_BLOCK = _ROW_BLOCK // 2
+GROUPS = (32, 64, 128, 256)
+_COMPUTE = torch.bfloat16
+
+
+def holds(rows: int, cols: int, group: int) -> bool:
+    """Whether the kernel takes a weight [rows, cols] in groups of `group`."""
+    return group in GROUPS and cols % group == 0 and rows % _ROW_BLOCK == 0
+
+
+class Int4Plane(torch.nn.Module):
+    """One weight [out, in] of 4-bit codes in the kernel's packing, with its bfloat16 scales and
+    zeros [in // group, out, 2]."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        super().__init__()
+        self.group = codes.shape[1] // scale.shape[1]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(_COMPUTE))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, half = self.packed.shape
+        return rows, half * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] in bfloat16 times the weight's transpose, in bfloat16 [n, out]."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group, self.scales_and_zeros
+        )
+
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes u [rows, in] (every row, or the rows `rows`), as stored."""
+        out, cols = self.shape
+        if rows is None:
+            rows = torch.arange(out)
+        blocks = self.packed.view(out // _ROW_BLOCK, cols, _HALF_BLOCK)
+        within = rows % _ROW_BLOCK
+        found = blocks[torch.div(rows, _ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
+        shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
+        return (found >> shift.unsqueeze(-1)) & 0x0F
+
+    def scales(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros [rows, in // group] in bfloat16."""
+        table = self.scales_and_zeros if rows is None else self.scales_and_zeros[:, rows]
+        table = table.transpose(0, 1)
+        return table[..., 0], table[..., 1]
+
+    def dequantized(self, rows: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+        """(u - 8) * s + z [rows, in] at `dtype` (float32: the kernel's own arithmetic; float64
+        for the oracle: every factor widened, nothing rounded)."""
+        codes = self.codes(rows).to(dtype)
+        scale, zero = (t.to(dtype).repeat_interleave(self.group, -1) for t in self.scales(rows))
+        return (codes - 8) * scale + zero
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+class PackedLinear(torch.nn.Module):
+    """A linear layer whose weight is the sum of one plane (4-bit codes) or two (8-bit codes, as
+    their high and low nibbles): the input in bfloat16, each plane's product in bfloat16, the sum
+    at the input's dtype, plus the bias."""
+
+    def __init__(self, planes: list[Int4Plane], bits: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.planes = torch.nn.ModuleList(planes)
+        self.bits = bits
+        self.out_features, self.in_features = planes[0].shape
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        bits: int,
+        bias: torch.Tensor | None = None,
+    ) -> PackedLinear:
+        """value = codes * scale + offset per group: 4-bit codes (signed in [-8, 7] or counted
+        in [0, 15]) or 8-bit ones (signed), carried exactly."""
+        codes = codes.to(torch.int32)
+        if bits == 4:
+            lowest = -8 if int(codes.min()) < 0 else 0
+            zero = offset + (8 + lowest) * scale
+            return cls([Int4Plane(codes - lowest, scale, zero)], bits, bias)
+        if bits != 8:
+            raise ValueError(f"a packed linear layer holds 4-bit or 8-bit codes, not {bits}-bit")
+        counted = codes + 128
+        high = Int4Plane(counted >> 4, 16 * scale, torch.zeros_like(scale))
+        low = Int4Plane(counted & 0x0F, scale, offset + 8 * scale)
+        return cls([high, low], bits, bias)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bits: int, group: int, bias: torch.Tensor | None = None
+    ) -> PackedLinear:
+        """`weight` rounded to codes: 4-bit asymmetric per group, its range narrowed where that
+        lowers the group's squared error; 8-bit symmetric per group (llama.cpp's Q8_0)."""
+        if bits == 4:
+            codes, scale, zero = _int4_searched(weight.detach().to(torch.float32), group)
+            return cls([Int4Plane(codes, scale, zero)], bits, bias)
+        codes, scale = _int8_symmetric(weight.detach().to(torch.float32), group)
+        return cls.from_codes(codes, scale, torch.zeros_like(scale), 8, bias)
+
+    @property
+    def group(self) -> int:
+        return self.planes[0].group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        out = self.planes[0].matmul(flat).to(x.dtype)
+        for plane in self.planes[1:]:
+            out = out + plane.matmul(flat).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, rows: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+        """The weight's `rows` (all by default) at `dtype`."""
+        weight = self.planes[0].dequantized(rows, dtype)
+        for plane in self.planes[1:]:
+            weight = weight + plane.dequantized(rows, dtype)
+        return weight
+
+    def float64(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer in float64 for the oracle: the stored codes, scales and zeros widened."""
+        bias = None if self.bias is None else self.bias.to(torch.float64)
+        return torch.nn.functional.linear(
+            x.to(torch.float64), self.dequantized(dtype=torch.float64), bias
+        )
+
+    def nbytes(self) -> int:
+        planes = sum(plane.nbytes() for plane in self.planes)
+        return planes + (0 if self.bias is None else self.bias.nbytes)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group={self.group}"
+        )
+
+
+class PackedEmbedding(torch.nn.Module):
+    """A token embedding that looks its rows up in a PackedLinear's weight: an output projection
+    tied to the embedding keeps one table, as the file does."""
+
+    def __init__(self, table: PackedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.table.dequantized(flat).to(self.dtype)
+        return rows.reshape(*ids.shape, self.table.in_features)
+
+    def float64(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.dequantized(ids.reshape(-1), dtype=torch.float64)
+        return rows.reshape(*ids.shape, self.table.in_features)
+
+
+def _int4_searched(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """Codes in [0, 15], bfloat16-rounded scales and zeros of an asymmetric 4-bit grid per group,
+    the grid's ends drawn in from the group's min and max where that gives a smaller squared
+    error (the search llama.cpp's K-quants make): scales and zeros are rounded to bfloat16 before
+    the codes are chosen, as the kernel reads them."""
+    rows, cols = weight.shape
+    grouped = weight.reshape(rows, cols // group, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    best = None
+    for shrink in torch.linspace(1.0, 0.7, 13).tolist():
+        scale = ((high - low) * shrink / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        # The grid's centre stays the group's: shrinking draws both ends in.
+        centre = (high + low) / 2
+        scale = scale.to(_COMPUTE).to(torch.float32)
+        zero = (centre + 0.5 * scale).to(_COMPUTE).to(torch.float32)
+        codes = torch.round((grouped - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).clamp(0, 15)
+        error = ((codes - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1) - grouped).square().sum(-1)
+        if best is None:
+            best = [codes, scale, zero, error]
+            continue
+        better = error < best[3]
+        best[0] = torch.where(better.unsqueeze(-1), codes, best[0])
+        for index, value in ((1, scale), (2, zero), (3, error)):
+            best[index] = torch.where(better, value, best[index])
+    codes, scale, zero, _ = best
+    return codes.reshape(rows, cols).to(torch.int32), scale, zero
+
+
+def _int8_symmetric(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and bfloat16-rounded scales per group: scale = max |w| / 127."""
+    rows, cols = weight.shape
+    grouped = weight.reshape(rows, cols // group, group)
+    scale = (grouped.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = scale.to(_COMPUTE).to(torch.float32)
+    codes = torch.round(grouped / scale.unsqueeze(-1)).clamp(-128, 127)
+    return codes.reshape(rows, cols).to(torch.int32), scale
