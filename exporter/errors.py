@@ -21,7 +21,7 @@ class ValidationFailed(ExporterError):
 
 class QualityFailed(ValidationFailed):
     """A quantized artifact computes what the quantized model computes (fidelity passed), and
-    quantization costs more than quantize.max_kld or quantize.min_top1 allow."""
+    quantization costs more than quantize.budget allows."""
 
 
 class ConfigError(ExporterError):

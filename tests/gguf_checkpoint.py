@@ -2,7 +2,7 @@
 converter lays one out: its weights under llama.cpp's tensor names (the query and key
 projections' rows reordered for llama.cpp's rotary layout, which transformers undoes when it
 reads them), float32 or quantized to llama.cpp's types per tensor, a byte-level BPE vocabulary
-of 256 bytes without merges and three special tokens, and a chat template."""
+of 256 bytes, three special tokens and one merge that text never meets, and a chat template."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import transformers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID = 257, 258  # <|im_start|>, <|im_end|>
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+# One merge, of two bytes that UTF-8 text never holds (0xFE, 0xFF), so that every byte of a text
+# stays a token of its own: llama.cpp refuses a byte-level vocabulary without merges.
+MERGE = ("þ", "ÿ")
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -154,15 +157,16 @@ def _rotary_layout(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
-    tokens = [*_byte_symbols(), *SPECIAL_TOKENS]
+    tokens = [*_byte_symbols(), *SPECIAL_TOKENS, "".join(MERGE)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(
-        [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+        [gguf.TokenType.NORMAL] * 256
+        + [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+        + [gguf.TokenType.NORMAL]
     )
-    # No merges: every byte stays a token of its own (transformers derives merges from the
-    # scores where a file lists none).
+    writer.add_token_merges([" ".join(MERGE)])
     writer.add_token_scores([0.0] * len(tokens))
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)

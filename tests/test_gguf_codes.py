@@ -16,7 +16,7 @@ import transformers
 
 from exporter.models import gguf_codes
 from exporter.models.gguf_codes import StoredCodes
-from exporter.quantize import plan, recipes
+from exporter.quantize import float64_ops, plan, recipes
 from exporter.quantize.packed import PackedEmbedding, PackedLinear
 from tests import gguf_checkpoint
 
@@ -129,6 +129,52 @@ def test_where_the_scales_survive_bfloat16_the_packed_weight_is_the_files(
     assert torch.equal(looked_up, exact.dequantized()[ids[0]])
 
 
+def test_the_packed_matmul_in_float64_is_the_layers_own_arithmetic(written) -> None:
+    """Localization's float64 run of a program calls the packed kernel's float64 stand-in; the
+    oracle calls the layer's: both widen the stored codes, scales and zeros."""
+    path, model = written
+    stored = _stored(path, model, "Q8_0")
+    rows, cols = stored.shape
+    layer = recipes.RECIPES["int8"].quantized(torch.nn.Linear(cols, rows, bias=False), stored)
+    x = torch.randn(3, cols, dtype=torch.float64)
+    stand_in = float64_ops.float64_op(torch.ops.aten._weight_int4pack_mm_for_cpu.default)
+    assert stand_in is not None
+    planes = [
+        stand_in(x, plane.packed, plane.group, plane.scales_and_zeros.to(torch.float64))
+        for plane in layer.planes
+    ]
+    torch.testing.assert_close(sum(planes), layer.float64(x), rtol=1e-12, atol=1e-12)
+    # And the kernel itself, in bfloat16, within bfloat16's rounding of its input and output.
+    torch.testing.assert_close(layer(x.float()).double(), layer.float64(x), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_an_output_projection_ranks_its_largest_outputs_by_the_files_own_weight(
+    written, kind: str
+) -> None:
+    """The kernel's bfloat16 output rounds a logit of 25 to 0.125; an output projection computes
+    its largest outputs again with the file's scales, not rounded to bfloat16."""
+    path, model = written
+    stored = _stored(path, model, kind)
+    rows, cols = stored.shape
+    recipe = recipes.RECIPES["int8" if stored.bits == 8 else "int4"]
+    layer = recipe.quantized(torch.nn.Linear(cols, rows, bias=False), stored, logits=True)
+    x = torch.randn(5, cols) * 30
+    out = layer(x)
+    files = x.double() @ stored.dequantized().double().T
+    top = out.topk(recipes.EXACT_TOP, dim=-1).indices
+    # float32 products of the file's weights, summed: within float32's rounding.
+    torch.testing.assert_close(
+        out.gather(-1, top).double(), files.gather(-1, top), rtol=1e-5, atol=1e-4
+    )
+    assert torch.equal(out.argmax(-1), files.argmax(-1))
+    # The rest as the kernel gives them, and the oracle on the file's weight whole.
+    plain = recipe.quantized(torch.nn.Linear(cols, rows, bias=False), stored)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(out[rest], plain(x)[rest])
+    torch.testing.assert_close(layer.float64(x.double()), files, rtol=1e-12, atol=1e-9)
+
+
 def test_a_type_no_kernel_holds_is_planned_from_its_weight_no_coarser_than_the_file(
     written,
 ) -> None:
@@ -155,7 +201,7 @@ def test_a_type_no_kernel_holds_is_planned_from_its_weight_no_coarser_than_the_f
     up = planned["model.layers.0.mlp.up_proj"]
     assert up.stored is None
     assert [r.name for r in up.candidates] == ["int4", "int8", "float"]
-    # A table of 259 rows fits no packing (rows in blocks of 64): nothing to plan.
+    # A table of 260 rows fits no packing (rows in blocks of 64): nothing to plan.
     assert "lm_head" not in planned and "model.embed_tokens" not in planned
 
 

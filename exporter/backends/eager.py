@@ -38,7 +38,7 @@ class EagerConfig(BackendConfig):
         # On the CPU, PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit
         # codes); on CUDA, torchao's weight-only layers.
         if self.device == "cpu":
-            return ("int4", "int8", "float")
+            return ("int4_g128", "int4", "int8", "float")
         return ("int4_weight", "int8_weight", "float")
 
 

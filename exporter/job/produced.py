@@ -87,5 +87,6 @@ class Produced:
         record.localization = self.localization
         record.repair = self.repair
         record.benchmark = self.benchmark
+        record.quantization = self.quantization
         record.quality = self.quality
         record.attribution = self.attribution

@@ -267,7 +267,7 @@ class _Sequence:
             log.info("[attribution] skipped: the model has no next-token logits to rank layers by")
             return
         with self.timed("attribution"):
-            run = attribution.on_validation_inputs(float_bundle, expected.goldens)
+            run = attribution.on_quality_rows(float_bundle, expected.goldens)
             found = attribution.attribute(float_bundle.module, run, self.job.quantize)
         self.produced.attribution = found
         log.info("[attribution] %s", "\n".join(found.lines()))

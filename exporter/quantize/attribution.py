@@ -1,5 +1,6 @@
 """Which layers cost the most quality (quantize.attribution=on): each quantizable layer quantized
-alone, the rest of the model float, on the job's validation inputs.
+alone, the rest of the model float, on the rows quality is judged on (exporter/quantize/
+quality.py's text).
 
 Per layer rather than per decoder block: quantize.skip takes the names of the modules that
 quantization replaces (linear layers, the token embedding), so a layer's figure comes with the
@@ -23,6 +24,7 @@ from torchao.quantization import quantize_
 
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models import ModelBundle
+from exporter.quantize import quality
 from exporter.quantize.quality import NextToken, PerPosition, per_position
 from exporter.quantize.recipes import embedding_config, linear_config
 from runtimes.verdict.goldens import Goldens
@@ -77,7 +79,7 @@ class Attribution:
     def to_json(self) -> dict[str, object]:
         return {
             "measured_on": "each layer quantized alone, in eager at the model's dtype, on the "
-            "job's validation inputs, against the float model at its dtype",
+            "rows quality is judged on, against the float model at its dtype",
             "override": self.override(),
             "layers": [layer.to_json() for layer in self.layers],
         }
@@ -89,7 +91,7 @@ def attribute(
     cfg: QuantizeConfig,
 ) -> Attribution:
     """Each layer of the float `module` that `cfg` quantizes, quantized alone: `run()` calls the
-    model (sharing `module`'s layers) on the validation inputs and returns its logits, one
+    model (sharing `module`'s layers) on the quality rows and returns its logits, one
     tensor per input; the layer goes back to float after."""
     reference = [logits.detach().to(torch.float64) for logits in run()]
     layers = []
@@ -134,19 +136,15 @@ def _alone(layer: torch.nn.Module, config: object) -> torch.nn.Module:
     return holder[0]
 
 
-def on_validation_inputs(float_bundle: ModelBundle, goldens: Goldens) -> Callable[[], list]:
-    """What `attribute` runs: the float model's logits on the job's validation inputs, at its
-    dtype; a model with a KV cache runs each session's tokens whole through its model without a
-    cache (which shares the layers), so that every position counts."""
-    decoder = float_bundle.decoder
-    if goldens.sessions and decoder is not None:
-        token_rows = [session["tokens"].unsqueeze(0) for session in goldens.sessions]
-
-        def sessions() -> list[torch.Tensor]:
-            with torch.no_grad():
-                return [decoder.uncached(tokens) for tokens in token_rows]
-
-        return sessions
+def on_quality_rows(float_bundle: ModelBundle, goldens: Goldens) -> Callable[[], list]:
+    """What `attribute` runs: the float model's logits at its dtype on the rows quality is
+    judged on (the text, or a model without a tokenizer's random token ids), through its model
+    without a cache; a model whose quality is not measured on rows (not a causal LM) on the
+    job's validation inputs."""
+    if goldens.text:
+        rows = goldens.text["rows"]
+        run = quality.logits_runner(float_bundle)
+        return lambda: run(rows)
     index = goldens.logits.index(True)
     cases = [inputs for inputs, _ in goldens.cases.values()]
 

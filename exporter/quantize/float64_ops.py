@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from exporter.quantize.packed import int4pack_mm_float64
+
 
 def _blocked(x: torch.Tensor, block_size: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
     """`x` viewed as (blocks, block) per dim, and the dims that run within a block."""
@@ -99,7 +101,10 @@ def dequantize_affine(
 
 
 def float64_op(target: object) -> Callable | None:
-    """The float64 stand-in for `target` where it is one of torchao's quantize ops."""
+    """The float64 stand-in for `target` where it is one of torchao's quantize ops, or the packed
+    int4 matmul of quantize=auto's layers (exporter/quantize/packed.py)."""
+    if target is torch.ops.aten._weight_int4pack_mm_for_cpu.default:
+        return int4pack_mm_float64
     namespace = getattr(torch.ops, "torchao", None)
     if namespace is None or not hasattr(namespace, "dequantize_affine"):
         return None

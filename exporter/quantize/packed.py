@@ -59,27 +59,16 @@ class Int4Plane(torch.nn.Module):
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The codes u [rows, in] (every row, or the rows `rows`), as stored."""
-        out, cols = self.shape
-        if rows is None:
-            rows = torch.arange(out)
-        blocks = self.packed.view(out // _ROW_BLOCK, cols, _HALF_BLOCK)
-        within = rows % _ROW_BLOCK
-        found = blocks[torch.div(rows, _ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
-        shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
-        return (found >> shift.unsqueeze(-1)) & 0x0F
-
-    def scales(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and zeros [rows, in // group] in bfloat16."""
-        table = self.scales_and_zeros if rows is None else self.scales_and_zeros[:, rows]
-        table = table.transpose(0, 1)
-        return table[..., 0], table[..., 1]
+        return codes_of(self.packed, rows)
 
     def dequantized(self, rows: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
         """(u - 8) * s + z [rows, in] at `dtype` (float32: the kernel's own arithmetic; float64
         for the oracle: every factor widened, nothing rounded)."""
-        codes = self.codes(rows).to(dtype)
-        scale, zero = (t.to(dtype).repeat_interleave(self.group, -1) for t in self.scales(rows))
-        return (codes - 8) * scale + zero
+        return dequantized(self.packed, self.scales_and_zeros, rows, dtype)
+
+    def scales(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros [rows, in // group] in bfloat16."""
+        return _scales(self.scales_and_zeros, rows)
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
@@ -88,14 +77,36 @@ class Int4Plane(torch.nn.Module):
 class PackedLinear(torch.nn.Module):
     """A linear layer whose weight is the sum of one plane (4-bit codes) or two (8-bit codes, as
     their high and low nibbles): the input in bfloat16, each plane's product in bfloat16, the sum
-    at the input's dtype, plus the bias."""
+    at the input's dtype, plus the bias.
 
-    def __init__(self, planes: list[Int4Plane], bits: int, bias: torch.Tensor | None) -> None:
+    A bfloat16 product is rounded to 8 bits: a next-token logit of 25 to the nearest 0.125, which
+    flips the order of tokens nearer than that (on SmolLM2's text, one position in fifty, and a
+    greedy answer at its first token). The output projection of an LM (`exact_top`) therefore
+    computes its `exact_top` largest outputs of each row again at the input's dtype from its
+    weight with the scales as they were given (`exact_scale`, `exact_offset`: a GGUF file's, not
+    rounded to bfloat16), the rest as the kernel gives them: the tokens that decoding picks among
+    are ranked as the weights rank them, at the price of a lookup of that many rows."""
+
+    def __init__(
+        self,
+        planes: list[Int4Plane],
+        bits: int,
+        bias: torch.Tensor | None,
+        exact: tuple[int, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`exact`: (how many outputs, the scale and the offset per group such that the weight
+        is U * scale + offset, U the codes counted from 0: a plane's, or 16 * high + low)."""
         super().__init__()
         self.planes = torch.nn.ModuleList(planes)
         self.bits = bits
         self.out_features, self.in_features = planes[0].shape
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.exact_top = 0
+        if exact is not None:
+            top, scale, offset = exact
+            self.exact_top = min(top, self.out_features)
+            self.register_buffer("exact_scale", scale.to(torch.float32))
+            self.register_buffer("exact_offset", offset.to(torch.float32))
 
     @classmethod
     def from_codes(
@@ -104,64 +115,99 @@ class PackedLinear(torch.nn.Module):
         scale: torch.Tensor,
         offset: torch.Tensor,
         bits: int,
+        signed: bool,
         bias: torch.Tensor | None = None,
+        exact_top: int = 0,
     ) -> PackedLinear:
-        """value = codes * scale + offset per group: 4-bit codes (signed in [-8, 7] or counted
-        in [0, 15]) or 8-bit ones (signed), carried exactly."""
+        """value = codes * scale + offset per group: 4-bit codes (`signed`: in [-8, 7], else
+        counted in [0, 15]) or 8-bit ones (signed), carried exactly; `exact_top`: an output
+        projection's outputs ranked by the weight with these scales (the class docstring)."""
         codes = codes.to(torch.int32)
         if bits == 4:
-            lowest = -8 if int(codes.min()) < 0 else 0
+            lowest = -8 if signed else 0
             zero = offset + (8 + lowest) * scale
-            return cls([Int4Plane(codes - lowest, scale, zero)], bits, bias)
-        if bits != 8:
+            planes = [Int4Plane(codes - lowest, scale, zero)]
+        elif bits == 8:
+            lowest = -128
+            counted = codes - lowest
+            high = Int4Plane(counted >> 4, 16 * scale, torch.zeros_like(scale))
+            low = Int4Plane(counted & 0x0F, scale, offset + 8 * scale)
+            planes = [high, low]
+        else:
             raise ValueError(f"a packed linear layer holds 4-bit or 8-bit codes, not {bits}-bit")
-        counted = codes + 128
-        high = Int4Plane(counted >> 4, 16 * scale, torch.zeros_like(scale))
-        low = Int4Plane(counted & 0x0F, scale, offset + 8 * scale)
-        return cls([high, low], bits, bias)
+        exact = (exact_top, scale, offset + lowest * scale) if exact_top else None
+        return cls(planes, bits, bias, exact)
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, bits: int, group: int, bias: torch.Tensor | None = None
+        cls,
+        weight: torch.Tensor,
+        bits: int,
+        group: int,
+        bias: torch.Tensor | None = None,
+        exact_top: int = 0,
     ) -> PackedLinear:
         """`weight` rounded to codes: 4-bit asymmetric per group, its range narrowed where that
         lowers the group's squared error; 8-bit symmetric per group (llama.cpp's Q8_0)."""
         if bits == 4:
             codes, scale, zero = _int4_searched(weight.detach().to(torch.float32), group)
-            return cls([Int4Plane(codes, scale, zero)], bits, bias)
+            return cls.from_codes(codes - 8, scale, zero, 4, True, bias, exact_top)
         codes, scale = _int8_symmetric(weight.detach().to(torch.float32), group)
-        return cls.from_codes(codes, scale, torch.zeros_like(scale), 8, bias)
+        return cls.from_codes(codes, scale, torch.zeros_like(scale), 8, True, bias, exact_top)
 
     @property
     def group(self) -> int:
         return self.planes[0].group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
-        out = self.planes[0].matmul(flat).to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
+        narrow = flat.to(_COMPUTE)
+        out = self.planes[0].matmul(narrow).to(x.dtype)
         for plane in self.planes[1:]:
-            out = out + plane.matmul(flat).to(x.dtype)
+            out = out + plane.matmul(narrow).to(x.dtype)
+        if self.exact_top:
+            top = _largest(out, self.exact_top)
+            rows = self.exact_rows(top.reshape(-1), dtype=x.dtype)
+            exact = (rows.view(*top.shape, self.in_features) * flat.unsqueeze(1)).sum(-1)
+            out = out.scatter(-1, top, exact)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self, rows: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
-        """The weight's `rows` (all by default) at `dtype`."""
+        """The weight's `rows` (all by default) at `dtype`, as the kernel computes with it."""
         weight = self.planes[0].dequantized(rows, dtype)
         for plane in self.planes[1:]:
             weight = weight + plane.dequantized(rows, dtype)
         return weight
 
+    def exact_rows(self, rows: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+        """The weight's `rows` at `dtype` with the scales as given (`exact_top`'s weight; the
+        kernel's where there are none)."""
+        if not self.exact_top:
+            return self.dequantized(rows, dtype)
+        counted = self.planes[0].codes(rows).to(torch.int32)
+        for plane in self.planes[1:]:
+            counted = counted * 16 + plane.codes(rows).to(torch.int32)
+        scale, offset = self.exact_scale, self.exact_offset
+        if rows is not None:
+            scale, offset = scale[rows], offset[rows]
+        scale, offset = (t.to(dtype).repeat_interleave(self.group, -1) for t in (scale, offset))
+        return counted.to(dtype) * scale + offset
+
     def float64(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer in float64 for the oracle: the stored codes, scales and zeros widened."""
+        """The layer in float64 for the oracle: the stored codes, scales and zeros widened (an
+        output projection's scales as given, which rank its outputs)."""
         bias = None if self.bias is None else self.bias.to(torch.float64)
         return torch.nn.functional.linear(
-            x.to(torch.float64), self.dequantized(dtype=torch.float64), bias
+            x.to(torch.float64), self.exact_rows(dtype=torch.float64), bias
         )
 
     def nbytes(self) -> int:
-        planes = sum(plane.nbytes() for plane in self.planes)
-        return planes + (0 if self.bias is None else self.bias.nbytes)
+        found = sum(plane.nbytes() for plane in self.planes)
+        if self.exact_top:
+            found += self.exact_scale.nbytes + self.exact_offset.nbytes
+        return found + (0 if self.bias is None else self.bias.nbytes)
 
     def extra_repr(self) -> str:
         return (
@@ -172,7 +218,8 @@ class PackedLinear(torch.nn.Module):
 
 class PackedEmbedding(torch.nn.Module):
     """A token embedding that looks its rows up in a PackedLinear's weight: an output projection
-    tied to the embedding keeps one table, as the file does."""
+    tied to the embedding keeps one table, as the file does; its rows are the weight with the
+    scales as given where the projection keeps them (`PackedLinear.exact_rows`)."""
 
     def __init__(self, table: PackedLinear, dtype: torch.dtype) -> None:
         super().__init__()
@@ -180,13 +227,73 @@ class PackedEmbedding(torch.nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        rows = self.table.dequantized(flat).to(self.dtype)
+        rows = self.table.exact_rows(ids.reshape(-1)).to(self.dtype)
         return rows.reshape(*ids.shape, self.table.in_features)
 
     def float64(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.dequantized(ids.reshape(-1), dtype=torch.float64)
+        rows = self.table.exact_rows(ids.reshape(-1), dtype=torch.float64)
         return rows.reshape(*ids.shape, self.table.in_features)
+
+
+def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the `count` largest of each row of `values` [n, out] (out a multiple of
+    64), found among the blocks of 64 with the largest maxima: two small top-k of a few hundred
+    values rather than one of the whole row, which AOTInductor's top-k takes five times as long
+    over (0.24 ms over 49152 logits)."""
+    rows, width = values.shape
+    blocks = values.view(rows, width // _ROW_BLOCK, _ROW_BLOCK)
+    best = blocks.amax(-1).topk(min(count, width // _ROW_BLOCK), dim=-1).indices
+    candidates = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, _ROW_BLOCK))
+    within = candidates.reshape(rows, -1).topk(count, dim=-1).indices
+    block = best.gather(1, torch.div(within, _ROW_BLOCK, rounding_mode="floor"))
+    return block * _ROW_BLOCK + within % _ROW_BLOCK
+
+
+def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes u [rows, in] of a weight in the kernel's packing [out, in // 2] (every row, or
+    the rows `rows`)."""
+    out, half = packed.shape
+    cols = half * 2
+    if rows is None:
+        rows = torch.arange(out)
+    blocks = packed.view(out // _ROW_BLOCK, cols, _HALF_BLOCK)
+    within = rows % _ROW_BLOCK
+    found = blocks[torch.div(rows, _ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
+    shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
+    return (found >> shift.unsqueeze(-1)) & 0x0F
+
+
+def dequantized(
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """(u - 8) * s + z [rows, in] at `dtype` of a packed weight and its scales and zeros
+    [in // group, out, 2]."""
+    group = packed.shape[1] * 2 // scales_and_zeros.shape[0]
+    codes = codes_of(packed, rows).to(dtype)
+    scale, zero = (
+        t.to(dtype).repeat_interleave(group, -1) for t in _scales(scales_and_zeros, rows)
+    )
+    return (codes - 8) * scale + zero
+
+
+def int4pack_mm_float64(
+    x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """`aten._weight_int4pack_mm_for_cpu` in float64, every factor widened (localization's
+    float64 run of a program that calls it: exporter/quantize/float64_ops.py)."""
+    weight = dequantized(packed, scales_and_zeros, dtype=torch.float64)
+    return x.to(torch.float64) @ weight.T
+
+
+def _scales(
+    scales_and_zeros: torch.Tensor, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    table = scales_and_zeros if rows is None else scales_and_zeros[:, rows]
+    table = table.transpose(0, 1)
+    return table[..., 0], table[..., 1]
 
 
 def _int4_searched(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:

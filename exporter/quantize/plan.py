@@ -58,9 +58,11 @@ class Unit:
     stored: StoredCodes | None
     candidates: tuple[recipes.Recipe, ...]
     tied_embedding: str | None = None
+    # The model's output projection: its outputs are the logits decoding ranks.
+    logits: bool = False
 
     def nbytes(self, index: int) -> int:
-        return self.candidates[index].nbytes(self.layer)
+        return self.candidates[index].nbytes(self.layer, self.logits)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ class Plan:
             row["layers"] += 1
             row["bytes"] = row.get("bytes", 0) + choice.bytes
         return table
+
+    def summary(self) -> str:
+        """`plan: 101.8 MB of weights, int4 from file Q4_1 x210, int8 from file Q8_0 x1`."""
+        parts = [f"{name} x{row['layers']}" for name, row in self.by_recipe().items()]
+        total = sum(choice.bytes for choice in self.choices)
+        return f"plan: {total / 1e6:.1f} MB of weights, {', '.join(parts)}"
 
     def lines(self) -> list[str]:
         quality = self.quality
@@ -144,6 +152,7 @@ def units(
     `skip`, each with the candidates of `recipe_names` (`stored`: a checkpoint's codes by layer
     name)."""
     layers = dict(module.named_modules())
+    output = _output_projection(module)
     embedding_of = {
         id(layer.weight): name
         for name, layer in layers.items()
@@ -166,8 +175,19 @@ def units(
         codes = stored.get(name) or (stored.get(embedding) if embedding else None)
         candidates = recipes.candidates(recipe_names, layer, codes)
         if len(candidates) > 1 or (candidates and candidates[0].name != "float"):
-            planned.append(Unit(name, layer, codes, tuple(candidates), embedding))
+            planned.append(
+                Unit(name, layer, codes, tuple(candidates), embedding, logits=layer is output)
+            )
     return planned
+
+
+def _output_projection(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The output projection of the transformers model inside `module`, if there is one."""
+    for submodule in module.modules():
+        output = getattr(submodule, "get_output_embeddings", None)
+        if callable(output):
+            return output()
+    return None
 
 
 def replacements(unit: Unit, recipe: recipes.Recipe) -> dict[str, torch.nn.Module]:
@@ -175,7 +195,7 @@ def replacements(unit: Unit, recipe: recipes.Recipe) -> dict[str, torch.nn.Modul
     recipe's table can be looked up), by name; nothing for float."""
     if recipe.name == "float":
         return {}
-    quantized = recipe.quantized(unit.layer, unit.stored)
+    quantized = recipe.quantized(unit.layer, unit.stored, unit.logits)
     swapped = {unit.name: quantized}
     if unit.tied_embedding is not None and isinstance(recipe, recipes.Packed):
         from exporter.quantize.packed import PackedEmbedding

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from exporter.export import Diagnosis
     from exporter.localize import Localization
     from exporter.localize.repair import Repair
+    from exporter.quantize import Quantization
     from exporter.quantize.attribution import Attribution
     from exporter.quantize.verdict import Quality
     from exporter.validate import Report
@@ -79,8 +80,9 @@ class JobRecord:
     # lowered again with (the record's artifact, report and audit are then the repaired one's).
     repair: Repair | None = None
     benchmark: Benchmark | None = None
-    # A quantized model: what quantization costs, judged apart from fidelity, and which layers
-    # cost the most (quantize.attribution).
+    # A quantized model: what was quantized (with quantize=auto, the plan), what quantization
+    # costs, judged apart from fidelity, and which layers cost the most (quantize.attribution).
+    quantization: Quantization | None = None
     quality: Quality | None = None
     attribution: Attribution | None = None
     # Per cached stage (export, goldens, lower): its cache key, and whether its work came from

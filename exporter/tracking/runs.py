@@ -523,9 +523,7 @@ def _quality_metrics(quality: Quality, report: Report, at: int) -> list[Metric]:
         for who in ("artifact", "eager", "llama_cpp"):
             prefix = "quality.text" if who == "artifact" else f"quality.text.{who}"
             figures |= {
-                f"{prefix}.{k}": v
-                for k, v in quality.text.get(who, {}).items()
-                if k != "positions"
+                f"{prefix}.{k}": v for k, v in quality.text.get(who, {}).items() if k != "positions"
             }
     metrics = [Metric(key, value, at, 0) for key, value in figures.items()]
     cases = quality.artifact_per_case

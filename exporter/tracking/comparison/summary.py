@@ -55,6 +55,8 @@ class JobSummary:
     # the text, its verdict, and the layers whose
     # quantization costs the most (quantize.attribution), worst first.
     quality_passed: bool | None = None
+    # quantize=auto: the plan in a line (its layers and bytes by recipe).
+    quantization_plan: str | None = None
     quality_kld_mean: float | None = None
     quality_kld_p99: float | None = None
     quality_top1: float | None = None
@@ -160,6 +162,8 @@ class JobSummary:
                 summary.worst_error_ratio, summary.worst_error_ratio_at = worst
             if record.report.generation:
                 summary.greedy = record.report.generation.summary()
+        if record.quantization and record.quantization.plan:
+            summary.quantization_plan = record.quantization.plan.summary()
         if record.quality:
             _take_quality(summary, record)
         if record.attribution:
@@ -249,6 +253,8 @@ class JobSummary:
                 f"worst error ratio {self.worst_error_ratio:.3g} at {self.worst_error_ratio_at} "
                 "(artifact's error / eager's)"
             )
+        if self.quantization_plan is not None:
+            figures.append(self.quantization_plan)
         if self.quality_kld_mean is not None:
             ppl = f", perplexity x{self.quality_ppl_ratio:.3g}" if self.quality_ppl_ratio else ""
             figures.append(
