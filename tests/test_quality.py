@@ -59,5 +59,3 @@ def test_the_perplexity_of_a_known_model() -> None:
     logits = torch.full((8, 10), math.log(0.5 / 9))
     logits[torch.arange(7), tokens[1:]] = math.log(0.5)
     assert quality.perplexity(logits, tokens) == pytest.approx(2.0)
-    found = quality.Perplexity("text", 8, 2.0, 2.5)
-    assert found.ratio == 1.25 and found.to_json()["ratio"] == 1.25

@@ -18,7 +18,9 @@ import torch
 
 from exporter import models
 from exporter.config import DimBounds, HfConfig, KvCache, QualityBudget
+from exporter.job import verdict as job_verdict
 from exporter.quantize import plan, quality, recipes
+from exporter.tracking.comparison import JobSummary
 from tests import gguf_checkpoint, trained_llama
 from tests.conftest import job_in_process, run_exporter
 from tests.test_cli import assert_user_error
@@ -126,6 +128,11 @@ def test_auto_meets_the_budget_at_fewer_bytes_than_the_best_uniform_recipe(
     planned_bytes = sum(choice.bytes for choice in found.choices)
     assert planned_bytes < uniform["int8"][1]
     assert report["quantization"]["plan"]["within_budget"] is True
+    # The closing lines give the plan in a line, beside the quality the budget judged.
+    record.ended_ms = record.started_ms + 1000
+    closing = "\n".join(job_verdict.lines(JobSummary.of(record, {}), 0, tmp_path, [], [], 1.0))
+    assert f"[job] {found.summary()}" in closing
+    assert found.summary().startswith(f"plan: {planned_bytes / 1e6:.1f} MB of weights, int")
     # A second job takes the plan from the cache: nothing measured again.
     record, _ = job_in_process(tmp_path / "again", *overrides, cache_dir=cache)
     assert record.cache_hits["plan"] is True

@@ -420,11 +420,11 @@ def _planned(
     the cache, where an earlier job found it for the same model, settings and backend (plan.json,
     linked into the run dir)."""
     cfg, recipes = job.quantize, job.backend.quantize_recipes()
-    text, on_text = quality.eval_rows(bundle, cfg.eval_text, job.validate.seed)
-    log.info("[quantize] planning on %d positions of %s", text.positions, text.source)
+    rows, on_text = quality.eval_rows(bundle, cfg.eval_text, job.validate.seed)
+    log.info("[quantize] planning on %d positions of %s", rows.positions, rows.source)
 
-    def measure(units: Sequence[quantize.plans.Unit]) -> quantize.plans.Measure:
-        return quantize.plans.Measure(bundle.module, quality.logits_runner(bundle), text.rows)
+    def measure() -> quantize.plans.Measure:
+        return quantize.plans.Measure(bundle.module, quality.logits_runner(bundle), rows.rows)
 
     searched: list[models.ModelBundle] = []
 

@@ -39,7 +39,6 @@ import torch
 
 # Types whose codes are read, with the bits of a code and the width of a group.
 READ_TYPES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (6, 16)}
-_SUPER_BLOCK = 256
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ from exporter.models.bundle import ModelBundle
 from exporter.quantize import plan as plans
 from exporter.quantize.packed import PackedEmbedding, PackedLinear
 from exporter.quantize.recipes import embedding_config, linear_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,20 +106,27 @@ def planned(
     bundle: ModelBundle,
     cfg: QuantizeConfig,
     recipe_names: tuple[str, ...],
-    measure: Callable[[Sequence[plans.Unit]], plans.Measure],
+    measure: Callable[[], plans.Measure],
     on_text: bool,
     found: plans.Plan | None = None,
     group_scales: str | None = None,
 ) -> tuple[ModelBundle, plans.Plan]:
-    """`bundle` with each layer quantized by the plan (`found`, or searched with
-    `measure(units)`: exporter/quantize/plan.py), the layers a GGUF checkpoint stored quantized
+    """`bundle` with each layer quantized by the plan (`found`, or one searched with what
+    `measure()` makes: exporter/quantize/plan.py), the layers a GGUF checkpoint stored quantized
     from its own codes where a recipe holds them; its `unquantized` is the float model."""
     stored = {}
     if bundle.file_quantization is not None:
-        stored = bundle.file_quantization().by_layer(bundle.module)
+        read = bundle.file_quantization()
+        stored = read.by_layer(bundle.module)
+        for skipped in read.not_carried:
+            log.info(
+                "[quantize] %s: not carried from %s, planned from its dequantized weight",
+                skipped.line(),
+                read.file.name,
+            )
     units = plans.units(bundle.module, recipe_names, stored, cfg.skip)
     if found is None:
-        found = plans.search(units, measure(units), cfg.budget, on_text)
+        found = plans.search(units, measure(), cfg.budget, on_text)
     float_bundle = bundle
     bundle = _copy_sharing_parameters(bundle)
     plans.apply(bundle.module, found, units)

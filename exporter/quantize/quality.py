@@ -4,13 +4,16 @@ model's, as llama.cpp's `perplexity --kl-divergence` reports them.
 Per position, the KL divergence KL(float || quantized) of the two next-token distributions (in
 nats), whether both predict the same top token, and how much probability the quantized model
 takes from the float model's top token; pooled over positions, their mean (KLD's p99 and max
-too). On a text, the perplexity of each model and their ratio. Plain tensors in, plain figures
-out: the goldens stage measures the quantized model in eager with them, the validate stage the
-artifact's own outputs (exporter/quantize/verdict.py judges them).
+too), and perplexity. Plain tensors in, plain figures out: the goldens stage measures the
+quantized model in eager with them, the validate stage the artifact's own outputs
+(exporter/quantize/verdict.py judges them). And what they are measured on: rows of text through
+the checkpoint's tokenizer (Python's documentation by default), or random token ids for a model
+without one, and what runs a model on them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +25,8 @@ from torch.utils import _pytree as pytree
 
 from exporter.errors import ConfigError
 from exporter.models.bundle import ModelBundle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,23 +110,6 @@ def perplexity(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return math.exp(float(nll))
 
 
-@dataclass(frozen=True)
-class Perplexity:
-    """Both models' perplexity on one text, `tokens` long, and the quantized over the float."""
-
-    text: str
-    tokens: int
-    float: float
-    quantized: float
-
-    @property
-    def ratio(self) -> float:
-        return self.quantized / self.float
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self) | {"ratio": self.ratio}
-
-
 # The sections of Python's documentation (pydoc_data.topics, shipped with Python: nothing to
 # fetch, the same text wherever the job runs) that quality is measured on by default: English
 # prose about code, a row of each.
@@ -189,7 +177,14 @@ def eval_rows(bundle: ModelBundle, path: str | None, seed: int) -> tuple[EvalTex
     if decoder is not None:
         length = min(ROW_TOKENS, decoder.max_cache_len)
         if decoder.tokenizer is not None:
-            return eval_text(decoder.tokenizer(), length, path), True
+            try:
+                tokenizer = decoder.tokenizer()
+            except ConfigError as error:
+                if path is not None:
+                    raise
+                log.info("[quality] no text to measure on: %s", error)
+            else:
+                return eval_text(tokenizer, length, path), True
     if path is not None:
         raise ConfigError(
             f"quantize.eval_text={path}: model {bundle.name} has no tokenizer to read it with "

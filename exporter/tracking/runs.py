@@ -604,6 +604,8 @@ def _tags(summary: JobSummary) -> dict[str, str]:
         tags["quality"] = "passed" if summary.quality_passed else "failed"
     if summary.costliest_layers:
         tags["quality.costliest_layers"] = ",".join(summary.costliest_layers)
+    if summary.quantization_plan:
+        tags["quantize.plan"] = summary.quantization_plan
     # The run's description in MLflow's UI, and a column of the runs view: the verdict, then
     # the whole error where the verdict shows only its first line.
     tags["mlflow.note.content"] = summary.verdict()
