@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exporter import config, export, models
 from exporter.backends.common import xnnpack_rewrites
-from exporter.config.store import register_schemas
+from exporter.command.schemas import register_schemas
 from exporter.localize.cut import tensor_nodes
 from tests.test_config import composed
 from tests.test_localize import job_in_process, wrong_below_the_bound

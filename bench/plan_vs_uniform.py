@@ -26,7 +26,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exporter import config, models
-from exporter.config.store import register_schemas
+from exporter.command.schemas import register_schemas
 from exporter.quantize import plan, quality, recipes
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

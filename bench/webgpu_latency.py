@@ -29,7 +29,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from exporter import config, models  # noqa: E402
-from exporter.config import store as config_store  # noqa: E402
+from exporter.command import schemas  # noqa: E402
 from exporter.validate.plan import plan  # noqa: E402
 from runtimes import load  # noqa: E402
 from runtimes.verdict.shapes import label  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 
-    config_store.register_schemas()
+    schemas.register_schemas()
     with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base="1.3"):
         job = config.to_job(compose("config", overrides=args.overrides))
     bundle = models.build(job.model, job.dynamic)

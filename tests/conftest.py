@@ -22,14 +22,14 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig
 
 from exporter import backends, config
-from exporter.config import store as config_store
+from exporter.command import schemas
 from exporter.errors import ValidationFailed
 from exporter.job import stages
 from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
 
 # Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
-config_store.register_schemas()
+schemas.register_schemas()
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"

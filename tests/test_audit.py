@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_dir
 from torch.export import ExportedProgram
 
 from exporter import backends, config, export, models
+from exporter.artifact import Artifact, WeightsReader
 from exporter.audit import WeightsAudit, audit, executorch_files, readers
 from exporter.audit.matching import Constant, audit_constants, sha256
-from exporter.backends import Artifact
 from exporter.validate import goldens
 from exporter.validate.plan import plan
 from runtimes.formats.pte_file import read_pte
@@ -65,7 +65,7 @@ def tokens_validation_draws(*overrides: str) -> set[int]:
 def exported_program_beside(artifact: Artifact) -> Artifact:
     """The exported program the artifact was lowered from, as the eager backend's artifact."""
     program = artifact.path.parent / export.PROGRAM_FILE
-    return replace(artifact, path=program, runtime="eager", audit=readers.exported_program)
+    return replace(artifact, path=program, runtime="eager", audit=WeightsReader.exported_program)
 
 
 def audited(weights: Weights, artifact: Artifact, path: Path | None = None) -> WeightsAudit:
@@ -293,13 +293,19 @@ def test_tensorrt_leaves_every_parameter_unseen_with_why(
         artifact,
         path=artifact.path.with_suffix(".ep"),
         runtime="tensorrt",
-        audit=readers.tensorrt_engine,
+        audit=WeightsReader.tensorrt_engine,
     )
     tensorrt = audit(engine, weights)
     assert tensorrt.passed and tensorrt.checked == ()
     assert [u.parameter for u in tensorrt.unseen] == list(weights)
     assert {u.why for u in tensorrt.unseen} == {readers.TENSORRT_UNSEEN}
     assert tensorrt.to_json()["unseen"] == list(weights)
+
+
+def test_every_reader_a_backend_can_declare_is_a_function_of_that_name() -> None:
+    assert {reader: read.__name__ for reader, read in readers.READERS.items()} == {
+        reader: reader.value for reader in WeightsReader
+    }
 
 
 def test_a_file_that_is_no_program_is_reported_unread(

@@ -147,7 +147,7 @@ def test_the_readme_lists_it_among_the_backends(name: str) -> None:
 def test_composing_imports_no_toolchain() -> None:
     # Every backend module is imported to store its schema; none may pull torch in with it.
     code = (
-        "import sys; from exporter.config import store; store.register_schemas(); "
+        "import sys; from exporter.command import schemas; schemas.register_schemas(); "
         "heavy = {'torch', 'executorch', 'mlflow', 'transformers'} & set(sys.modules); "
         "assert not heavy, heavy"
     )

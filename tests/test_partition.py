@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporter.backends.common.partition import (
+from exporter.artifact.partition import (
     CPU,
     DELEGATED,
     NAMED,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
-    enforce,
 )
 from exporter.backends.common.policy import Policy, op_name
+from exporter.backends.common.strict import enforce
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import LoweringFailed
 

@@ -23,7 +23,7 @@ from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor 
 )
 
 from exporter import backends, config, models, quantize
-from exporter.backends.common.partition import DELEGATED
+from exporter.artifact.partition import DELEGATED
 from exporter.backends.eager import Eager
 from exporter.errors import ConfigError, ValidationFailed
 from exporter.job import stages

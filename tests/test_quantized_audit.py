@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from exporter import backends, export, models, quantize
+from exporter.artifact import Artifact
 from exporter.audit import audit
-from exporter.backends import Artifact
 from tests.conftest import job_in_process
 from tests.test_audit import audited, composed, exported_program_beside, rewritten
 

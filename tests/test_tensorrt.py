@@ -1,5 +1,6 @@
 """backend=tensorrt without TensorRT: the settings a config makes, the shape profiles, the checks
-and errors, and the partition read from torch-tensorrt's dry-run report."""
+and errors, and the partition read from modules shaped as torch_tensorrt.dynamo.compile returns
+them, partitioned here by the torch.fx passes torch-tensorrt's partitioners use."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.fx.passes.split_utils import split_by_tags
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from exporter import config, models
-from exporter.backends import tensorrt
-from exporter.backends.common.partition import (
+from exporter.artifact.partition import (
     DATA_DEPENDENT,
     DELEGATED,
     NAMED,
     SMALL_BLOCK,
     UNSUPPORTED,
+    PartitionSummary,
 )
+from exporter.backends import tensorrt
 from exporter.backends.tensorrt import TensorrtConfig, TensorrtOutputFormat
 from exporter.config import DimMode, FallbackConfig, FallbackPolicy
 from exporter.errors import ConfigError
@@ -270,78 +274,117 @@ def test_profiles_of_a_kv_cache_llama_share_seq_between_ids_and_positions() -> N
     assert (ids.dims, positions.dims) == ({1: "seq"}, {0: "seq"})
 
 
-# A report as torch-tensorrt 2.14's _DryRunTracker.dryrun_stats_display writes it.
-REPORT = "\n".join(
-    [
-        "",
-        "+" * 50 + " Dry-Run Results for Graph " + "+" * 50,
-        "",
-        "The graph consists of 12 Total Operators, of which 10 operators are "
-        "supported, 83.33% coverage",
-        "",
-        "The following ops are currently unsupported or excluded from "
-        "conversion, and are listed with their op-count in the graph:",
-        " torch.ops.aten.nonzero.default: 1",
-        "torch.ops.aten.relu.default: 1",
-        "",
-        "The following nodes are currently set to run in Torch:",
-        "Node: torch.ops.aten.nonzero.default, with layer location: nonzero",
-        "Node: torch.ops.aten.relu.default, with layer location: relu",
-        "Node: torch.ops.aten.sub.Tensor, with layer location: sub",
-        "Node: torch.ops.aten.sym_size.int, with layer location: sym_size_int",
-        "Node: _operator.mul, with layer location: mul_1",
-        "Node: torch.sym_max, with layer location: sym_max",
-        "Node: torch.ops.aten._assert_scalar.default, with layer location: _assert_scalar",
-        "Note: Some of the above nodes may be supported, but were not included "
-        "in a TRT graph by the partitioner",
-        "",
-        "Compiled with: CompilationSettings(min_block_size=2)",
-        "",
-        "  Graph Structure:",
-        "",
-        "   Inputs: List[Tensor: (1, 8)@float32]",
-        "    ...",
-        "    TRT Engine #1 - Submodule name: _run_on_acc_0",
-        "     Engine Inputs: List[Tensor: (1, 8)@float32]",
-        "     Number of Operators in Engine: 6",
-        "     Engine Outputs: Tensor: (1, 8)@float32",
-        "    ...",
-        "    TRT Engine #2 - Submodule name: _run_on_acc_2",
-        "     Engine Inputs: List[Tensor: (1, 8)@float32]",
-        "     Number of Operators in Engine: 3",
-        "     Engine Outputs: Tensor: (1, 8)@float32",
-        "    ...",
-        "   Outputs: List[Tensor: (1, 8)@float32]",
-        "",
-        "  ------------------------- Aggregate Stats -------------------------",
-        "",
-        "   Average Number of Operators per TRT Engine: 4.5",
-        "   Most Operators in a TRT Engine: 6",
-        "",
-    ]
-)
+class Partitioned(torch.nn.Module):
+    """Two engines' worth of ops (linear and relu; mul) around a subtraction and a nonzero, whose
+    output size depends on the data, which stay in PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x).relu() - 1
+        return y * 2, torch.nonzero(y)
 
 
-def test_the_dry_run_report_gives_each_compute_node_its_place_and_reason() -> None:
-    # The size arithmetic and asserts among the nodes in Torch are no compute nodes.
-    fallback = FallbackConfig(policy=FallbackPolicy.data_dependent, ops=["aten.relu.default"])
-    summary = tensorrt.partition_of(REPORT, fallback, {"aten.nonzero.default"})
-    assert summary.delegates == 2
-    assert (summary.delegated_nodes, summary.fallback_op_count) == (9, 3)
-    assert summary.delegated_fraction == 0.75
-    reasons = {
-        n.node: (n.op, n.placement, n.reason) for n in summary.nodes if n.reason != DELEGATED
-    }
-    assert reasons == {
-        "nonzero": ("aten.nonzero.default", "pytorch", DATA_DEPENDENT),
-        "relu": ("aten.relu.default", "pytorch", NAMED),
+ENGINES = (("linear", "relu"), ("mul",))
+
+
+def program_module() -> torch.fx.GraphModule:
+    """The graph torch-tensorrt partitions: the exported program as a module."""
+    program = torch.export.export(Partitioned(), (torch.randn(4, 8),))
+    return program.module(check_guards=False)
+
+
+def adjacency_partitioned() -> torch.fx.GraphModule:
+    """As torch-tensorrt's default partitioner returns it: torch.fx's splitter tags each run of
+    nodes `_run_on_acc_<i>` (an engine) or `_run_on_gpu_<i>` (PyTorch) and splits the graph into
+    a submodule per tag (torch.fx.passes.splitter_base._SplitterBase's tag and split)."""
+    module = program_module()
+    tags = ["_run_on_acc_0", "_run_on_gpu_1", "_run_on_acc_2"]
+    for node in module.graph.nodes:
+        if node.op == "call_function":
+            engine = next((i for i, names in enumerate(ENGINES) if node.name in names), None)
+            node.tag = tags[1] if engine is None else tags[2 * engine]
+    return split_by_tags(module, tags)
+
+
+def global_partitioned() -> torch.fx.GraphModule:
+    """As torch-tensorrt's global partitioner returns it: each engine's nodes fused into a
+    `_run_on_acc_<i>` submodule (torch.fx's CapabilityBasedPartitioner.fuse_partitions), the
+    nodes left to PyTorch in the top graph."""
+    module = program_module()
+    nodes = {node.name: node for node in module.graph.nodes}
+    engines = [dict.fromkeys(nodes[name] for name in names) for names in ENGINES]
+    return fuse_by_partitions(module, engines, prefix=tensorrt.ENGINE_SUBMODULE)
+
+
+def built_from(planned: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """What a build returns: the same partition, each engine's graph replaced by an engine, a
+    module without a graph (torch_tensorrt.runtime.TorchTensorRTModule)."""
+    for name, _ in list(planned.named_children()):
+        if name.startswith(tensorrt.ENGINE_SUBMODULE):
+            setattr(planned, name, torch.nn.Module())
+    return planned
+
+
+def no_nonzero_converter(node: torch.fx.Node) -> bool:
+    return node.target is not torch.ops.aten.nonzero.default
+
+
+def reasons_of(summary: PartitionSummary) -> dict[str, tuple[str, str, str]]:
+    return {node.node: (node.op, node.placement, node.reason) for node in summary.nodes}
+
+
+@pytest.mark.parametrize("partitioned", [adjacency_partitioned, global_partitioned])
+@pytest.mark.parametrize("dryrun", [True, False], ids=["dry run", "build"])
+def test_the_partitioned_module_gives_each_compute_node_its_place_and_reason(
+    partitioned: Callable[[], torch.fx.GraphModule], dryrun: bool
+) -> None:
+    planned = partitioned()
+    built = planned if dryrun else built_from(partitioned())
+    summary = tensorrt.partition_of(
+        built, planned, FallbackConfig(policy=FallbackPolicy.auto), set(), no_nonzero_converter
+    )
+    # The size arithmetic on nonzero's count and the asserts on it are no compute nodes.
+    assert reasons_of(summary) == {
+        "linear": ("aten.linear.default", "TensorRT", DELEGATED),
+        "relu": ("aten.relu.default", "TensorRT", DELEGATED),
         "sub": ("aten.sub.Tensor", "pytorch", SMALL_BLOCK),
+        "mul": ("aten.mul.Tensor", "TensorRT", DELEGATED),
+        "nonzero": ("aten.nonzero.default", "pytorch", UNSUPPORTED),
     }
-    under_auto = tensorrt.partition_of(REPORT, FallbackConfig(policy=FallbackPolicy.auto), set())
-    assert {n.node: n.reason for n in under_auto.nodes if n.reason != DELEGATED} == {
-        "nonzero": UNSUPPORTED,
-        "relu": UNSUPPORTED,
-        "sub": SMALL_BLOCK,
+    assert (summary.delegates, summary.delegated_nodes, summary.fallback_op_count) == (2, 3, 2)
+    assert "no TensorRT converter takes it: aten.nonzero.default" in summary.describe()
+
+
+def test_the_policys_reasons_come_before_the_converters() -> None:
+    fallback = FallbackConfig(policy=FallbackPolicy.data_dependent, ops=["aten.sub.Tensor"])
+    summary = tensorrt.partition_of(
+        adjacency_partitioned(),
+        adjacency_partitioned(),
+        fallback,
+        {"aten.nonzero.default"},
+        no_nonzero_converter,
+    )
+    outside = {node: reason for node, (_, _, reason) in reasons_of(summary).items()}
+    assert (outside["sub"], outside["nonzero"]) == (NAMED, DATA_DEPENDENT)
+
+
+def test_a_graph_built_without_engines_runs_whole_in_pytorch() -> None:
+    # torch-tensorrt returns the graph unpartitioned where it builds no engine, though its dry
+    # run partitioned it: a graph whose supported ops are fewer than min_block_size.
+    summary = tensorrt.partition_of(
+        program_module(),
+        adjacency_partitioned(),
+        FallbackConfig(policy=FallbackPolicy.auto),
+        set(),
+        no_nonzero_converter,
+    )
+    assert (summary.delegates, summary.delegated_nodes, summary.fallback_op_count) == (0, 0, 5)
+    assert reasons_of(summary)["nonzero"][2] == UNSUPPORTED
+    assert {reasons_of(summary)[name][2] for name in ("linear", "relu", "sub", "mul")} == {
+        SMALL_BLOCK
     }
 
 

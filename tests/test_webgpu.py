@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from exporter import backends, config, export, models, validate
-from exporter.backends import Artifact
+from exporter.artifact import Artifact
 from exporter.config import ToyKind
 from exporter.errors import ConfigError
 from exporter.models import ModelBundle

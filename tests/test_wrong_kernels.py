@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-from exporter.backends.common.partition import DELEGATED, NodePlacement, PartitionSummary
+from exporter.artifact.partition import DELEGATED, NodePlacement, PartitionSummary
 from exporter.config import FallbackConfig, FallbackPolicy, WrongKernels
 from exporter.export import Exported
 from exporter.localize import FirstDivergence, NodeError

@@ -2,7 +2,7 @@
 checked against that parameter (exactly, or through a stated cast or permutation).
 
 Each backend's declaration names the reader of exporter/audit/readers.py that reads its
-artifact's weights (carried by the artifact as `Artifact.audit`):
+artifact's weights (a `WeightsReader`, carried by the artifact as `Artifact.audit`):
 
 - `pte` (executorch, webgpu): the program's constants, its named data and a .ptd beside it
   (exporter/audit/executorch_files.py), and Vulkan payloads' own constants; XNNPACK's and
@@ -19,9 +19,6 @@ parameter whose constant differs does (exporter/audit/matching.py says how they 
 Buffers the program writes as it runs (a KV cache's keys, values and fill counters) are state,
 not weights: the audit skips them and says so.
 Constants are compared on the host, wherever the artifact or the model ran.
-
-Composing a config imports every backend's declaration, and so this package and its readers:
-they import torch inside their functions.
 """
 
 from __future__ import annotations
@@ -32,13 +29,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from exporter.audit.readers import nothing_read
+from exporter.audit.readers import READERS, nothing_read
 from exporter.audit.result import Checked, Corrupted, Mismatch, Unseen, WeightsAudit
 
 if TYPE_CHECKING:
     import torch
 
-    from exporter.backends.common.artifact import Artifact
+    from exporter.artifact import Artifact
 
 __all__ = ["Checked", "Corrupted", "Mismatch", "Unseen", "WeightsAudit", "audit"]
 
@@ -56,8 +53,9 @@ def audit(
     # The host's copies: a program exported on the GPU holds its weights there.
     tensors = {name: w.detach().cpu() for name, w in weights.items() if isinstance(w, torch.Tensor)}
     runtime = str(artifact.runtime)
+    read = READERS[artifact.audit]
     try:
-        result = artifact.audit(artifact, tensors)
+        result = read(artifact, tensors)
     except (OSError, ValueError, IndexError, KeyError, struct.error, zipfile.BadZipFile) as error:
         # The runtime, loading the same file, fails the job with its own error; the audit
         # says what it could not read.

@@ -1,9 +1,9 @@
 """The readers of the weights audit, one per artifact format: each returns the constants it
-found in an artifact, audited against the model's weights (each is a `WeightsReader`). A
-backend's declaration names the one that reads its artifact (`Backend.audit`).
+found in an artifact, audited against the model's weights. A backend's declaration names the
+one that reads its artifact by its `WeightsReader` (exporter/artifact/), which `READERS` maps to
+its function here.
 
-Every backend module imports this one to declare its reader, and composing a config imports
-every backend module: torch and the format's code are imported inside the readers.
+Each format's code is imported inside its reader: a job loads only what reads its artifact.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from exporter.artifact import WeightsReader
 from exporter.audit.result import Unseen, WeightsAudit
 
 if TYPE_CHECKING:
     import torch
 
+    from exporter.artifact import Artifact
     from exporter.audit.matching import Constant
-    from exporter.backends.common.artifact import Artifact
 
 TENSORRT_UNSEEN = (
     "TensorRT engines hold their weights in TensorRT's serialized form, which only TensorRT "
@@ -155,3 +156,12 @@ def _audited(
 def tensorrt_engine(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
     """Nothing: TensorRT's engines are read by TensorRT alone (`TENSORRT_UNSEEN`)."""
     return nothing_read(str(artifact.runtime), weights, TENSORRT_UNSEEN)
+
+
+# Each WeightsReader's function: the reader a backend declares, by its name.
+READERS: dict[WeightsReader, Callable[[Artifact, Mapping[str, torch.Tensor]], WeightsAudit]] = {
+    WeightsReader.pte: pte,
+    WeightsReader.aoti_package: aoti_package,
+    WeightsReader.exported_program: exported_program,
+    WeightsReader.tensorrt_engine: tensorrt_engine,
+}

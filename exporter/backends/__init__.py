@@ -25,9 +25,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import runtimes
-from exporter.backends.common.artifact import Artifact, Output
+from exporter.artifact import Artifact, Output, WeightsReader
+from exporter.artifact.partition import PARTITION_FILE, PartitionSummary
 from exporter.backends.common.declaration import Backend
-from exporter.backends.common.partition import PARTITION_FILE, PartitionSummary, enforce
+from exporter.backends.common.strict import enforce
 from exporter.config import BackendConfig, FallbackConfig, JobConfig, LlmOps
 from exporter.errors import ConfigError
 from exporter.files import write_json
@@ -36,11 +37,9 @@ if TYPE_CHECKING:
     from exporter.export import Exported
 
 __all__ = [
-    "Artifact",
     "Backend",
     "ConfiguredBackend",
     "InvalidDeclaration",
-    "Output",
     "configured",
     "declaration_of",
     "declared",
@@ -219,8 +218,11 @@ def _missing_parts(name: str, backend: Backend) -> list[str]:
         )
     if not (backend.delegate is None or isinstance(backend.delegate, str)):
         missing.append(f"delegate is {backend.delegate!r}, neither a name nor None")
-    if not callable(backend.audit):
-        missing.append(f"audit is {backend.audit!r}, not a reader of exporter/audit/readers.py")
+    if not isinstance(backend.audit, WeightsReader):
+        missing.append(
+            f"audit is {backend.audit!r}, not a reader of exporter/audit/readers.py "
+            "(a WeightsReader of exporter/artifact/)"
+        )
     for method in ("output", "lower"):
         if getattr(type(backend), method) is getattr(Backend, method):
             missing.append(f"{type(backend).__name__} does not define {method}()")

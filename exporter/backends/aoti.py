@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter.audit import readers
-from exporter.backends.common.artifact import Artifact, Output
+from exporter.artifact import Artifact, Output, WeightsReader
 from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, EmbeddingQuant, FallbackConfig, QuantScheme
 from exporter.errors import ConfigError
@@ -103,7 +102,7 @@ class Aoti(Backend):
         return Artifact.at(path, target, partition=None)
 
 
-BACKEND = Aoti(schema=AotiConfig, runtime="aoti", delegate=None, audit=readers.aoti_package)
+BACKEND = Aoti(schema=AotiConfig, runtime="aoti", delegate=None, audit=WeightsReader.aoti_package)
 
 
 def _inductor_configs() -> dict[str, object]:

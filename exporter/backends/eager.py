@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter.audit import readers
-from exporter.backends.common.artifact import Artifact, Output
+from exporter.artifact import Artifact, Output, WeightsReader
 from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, EmbeddingQuant, FallbackConfig, QuantScheme
 
@@ -70,4 +69,6 @@ class Eager(Backend):
         return Artifact.at(exported.path, self.output(config), partition=None)
 
 
-BACKEND = Eager(schema=EagerConfig, runtime="eager", delegate=None, audit=readers.exported_program)
+BACKEND = Eager(
+    schema=EagerConfig, runtime="eager", delegate=None, audit=WeightsReader.exported_program
+)

@@ -4,37 +4,40 @@ declared dims), and written by `torch_tensorrt.save` in `backend.output_format`.
 
 Written against torch-tensorrt 2.14.0, the release built for torch 2.14. TensorRT cannot be
 installed where this project is developed, so the parts that need it (compile, save, load) have
-not run here; everything before them (settings, profiles, checks, the report's parsing) is
-tested without it.
+not run here; everything before them (settings, profiles, checks, reading the partition from the
+module compile returns) is tested without it.
 
 The fallback policy maps onto four CompilationSettings fields (`policy_settings`). Which node
-runs where comes from torch-tensorrt's dry-run report, which it writes for a dry run and logs at
-debug level for every compile; both land in tensorrt_report.txt.
+runs where is read from the module compile returns, partitioned by torch-tensorrt's partitioner:
+each TensorRT engine is a `_run_on_acc_*` submodule, and the nodes left to PyTorch are in
+`_run_on_gpu_*` submodules or in the top graph (`partition_of`). A build replaces each engine's
+graph by the engine, so the lowering first compiles with `dryrun`, which partitions alike and
+builds nothing (torch-tensorrt's own workflow: dry run, then compile), and builds after it;
+torch-tensorrt writes the dry run's report to tensorrt_report.txt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
+import io
 import logging
-import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from exporter.audit import readers
-from exporter.backends.common.artifact import Artifact, Output
-from exporter.backends.common.debug_log import captured
-from exporter.backends.common.declaration import Backend
-from exporter.backends.common.partition import (
+from exporter.artifact import Artifact, Output, WeightsReader
+from exporter.artifact.partition import (
     DELEGATED,
     SMALL_BLOCK,
     UNSUPPORTED,
     NodePlacement,
     PartitionSummary,
 )
+from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig, FallbackPolicy
 from exporter.errors import ConfigError, LoweringFailed
 
@@ -125,23 +128,11 @@ _REMOVED = {
 }
 _AUTOCAST_TYPES = ("float16", "bfloat16")
 
-# The dry-run report's lines (torch_tensorrt/dynamo/_DryRunTracker.py).
-_ENGINE = re.compile(
-    r"TRT Engine #\d+ - Submodule name: (\S+)\s*\n\s*Engine Inputs:.*\n"
-    r"\s*Number of Operators in Engine: (\d+)"
-)
-_TORCH_NODE = re.compile(r"^Node: (\S+), with layer location: (.+)$", re.MULTILINE)
-# Nodes the report lists among those run in Torch that compute no tensor: size arithmetic on
-# symbolic sizes (Python's operators, torch.sym_*, aten.sym_size) and runtime asserts on it.
-# They are not compute nodes, as in the ExecuTorch report; counted, fallback=strict would fail
-# on a dynamic shape's bookkeeping alone.
-_SIZE_ARITHMETIC = re.compile(
-    r"^(_?operator\.|math\.|builtins\.|torch\.sym_|"
-    r"torch\.ops\.aten\.(sym_\w+|_assert_scalar|_assert_async|_assert_tensor_metadata)\.)"
-)
-_UNSUPPORTED = re.compile(r"listed with their op-count in the graph:\n((?:.+\n)+)")
-_HEADER = "Dry-Run Results for Graph"
-_DRYRUN_LOGGER = "torch_tensorrt.dynamo._DryRunTracker"
+# The names torch-tensorrt's partitioners give the submodules of the module compile returns: an
+# engine's (both partitioners), and a graph of nodes left to PyTorch (the adjacency partitioner,
+# the default; the global one leaves those nodes in the top graph).
+ENGINE_SUBMODULE = "_run_on_acc_"
+PYTORCH_SUBMODULE = "_run_on_gpu_"
 
 
 class Tensorrt(Backend):
@@ -193,20 +184,11 @@ class Tensorrt(Backend):
             ", ".join(f"{p.name} {p.min_shape}..{p.max_shape}" for p in exported.inputs),
         )
         program = move_to_device_pass(exported.program, torch_device.indexed("cuda"))
-        # Without a dry run, torch-tensorrt logs its partition report at DEBUG only.
-        logged: list[str] = []
 
-        def keep_report(record: logging.LogRecord) -> None:
-            if _HEADER in record.getMessage():
-                logged.append(record.getMessage())
-
-        with captured(_DRYRUN_LOGGER, keep_report):
+        def compile_program(dryrun: bool | str) -> torch.fx.GraphModule:
             try:
-                compiled = torch_tensorrt.dynamo.compile(
-                    program,
-                    arg_inputs=inputs,
-                    dryrun=str(report) if config.dryrun else False,
-                    **settings,
+                return torch_tensorrt.dynamo.compile(
+                    program, arg_inputs=inputs, dryrun=dryrun, **settings
                 )
             except AssertionError as error:
                 if "require_full_compilation" not in str(error):
@@ -215,14 +197,19 @@ class Tensorrt(Backend):
                     f"fallback=strict: TensorRT cannot run the whole program ({error}). Run "
                     "backend.dryrun=true to see which ops stay outside, or use fallback=auto."
                 ) from error
-        if not config.dryrun and logged:
-            report.write_text(logged[-1])
-        partition = None
-        if report.exists():
-            partition = partition_of(report.read_text(), fallback, _data_dependent_ops(program))
-            log.info("[lower] %s", partition.describe())
-        else:
-            log.warning("[lower] torch-tensorrt gave no partition report (no op it could convert?)")
+
+        # The dry run writes its report to `report` and prints it too: on stdout it would only
+        # repeat, unlogged, what the partition's description logs below.
+        with contextlib.redirect_stdout(io.StringIO()):
+            planned = compile_program(str(report))
+        built = planned if config.dryrun else compile_program(False)
+        partition = partition_of(
+            built, planned, fallback, _data_dependent_ops(program), _converter_takes
+        )
+        log.info("[lower] %s", partition.describe())
+        if not report.exists():
+            # torch-tensorrt writes no report for a graph it converts none of.
+            report.write_text(partition.describe() + "\n")
         target = self.output(config)
         if config.dryrun:
             return Artifact.at(report, target, partition)
@@ -235,7 +222,7 @@ class Tensorrt(Backend):
             else {}
         )
         torch_tensorrt.save(
-            compiled,
+            built,
             str(path),
             output_format=config.output_format.value,
             arg_inputs=inputs,
@@ -332,33 +319,59 @@ def trt_input(profile: InputProfile) -> Any:
 
 
 def partition_of(
-    report: str, fallback: FallbackConfig, data_dependent_ops: Collection[str]
+    built: torch.fx.GraphModule,
+    planned: torch.fx.GraphModule,
+    fallback: FallbackConfig,
+    data_dependent_ops: Collection[str],
+    converter_takes: Callable[[torch.fx.Node], bool],
 ) -> PartitionSummary:
-    """Where each node runs, from a dry-run report. The report counts each engine's ops without
-    naming them, so delegated nodes are named by their engine; nodes left in PyTorch are named
-    by their layer location, with the policy's reason or the report's."""
-    from exporter.backends.common.policy import policy_reason
+    """Where each compute node runs, read from the module torch_tensorrt.dynamo.compile returned
+    (`built`). Each `_run_on_acc_*` submodule there is an engine, whose nodes are those of the
+    submodule of that name in the dry run's module (`planned`, where it is still a graph; after
+    a dry run alone, `built` itself). The other compute nodes run in PyTorch, in a
+    `_run_on_gpu_*` submodule or in the top graph: where torch-tensorrt built no engine, it
+    returned the graph whole. A node in PyTorch is there for the policy's reason, or because no
+    converter takes it (`converter_takes`), or else because the partitioner left its block out
+    of every engine (`fallback.min_block_size`)."""
+    from exporter.backends.common.policy import is_compute, op_name, policy_reason
 
-    unsupported: set[str] = set()
-    block = _UNSUPPORTED.search(report)
-    if block:
-        unsupported = {line.strip().rsplit(": ", 1)[0] for line in block.group(1).splitlines()}
-    nodes = [
-        NodePlacement(node=engine, op="(an op in the engine)", placement=DELEGATE, reason=DELEGATED)
-        for engine, count in _ENGINE.findall(report)
-        for _ in range(int(count))
-    ]
-    for target, location in _TORCH_NODE.findall(report):
-        if _SIZE_ARITHMETIC.match(target):
-            continue
-        op = target.removeprefix("torch.ops.")
+    def in_pytorch(node: torch.fx.Node) -> NodePlacement:
+        op = op_name(node)
         reason, detail = (
             policy_reason({op}, op in data_dependent_ops, fallback)
-            or ((UNSUPPORTED, "no TensorRT converter takes it") if target in unsupported else None)
-            or (SMALL_BLOCK, "supported, but left out of every engine (min_block_size)")
+            or (None if converter_takes(node) else (UNSUPPORTED, "no TensorRT converter takes it"))
+            or (
+                SMALL_BLOCK,
+                "a converter takes it, but its block went to no engine (min_block_size)",
+            )
         )
-        nodes.append(NodePlacement(location.strip(), op, OUTSIDE, reason, detail))
-    return PartitionSummary(nodes=tuple(nodes), delegates=len(_ENGINE.findall(report)))
+        return NodePlacement(node.name, op, OUTSIDE, reason, detail)
+
+    def compute_nodes(submodule: str, module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [node for node in module.get_submodule(submodule).graph.nodes if is_compute(node)]
+
+    nodes: list[NodePlacement] = []
+    engines = 0
+    for node in built.graph.nodes:
+        if node.op == "call_module" and node.target.startswith(ENGINE_SUBMODULE):
+            engines += 1
+            nodes += [
+                NodePlacement(inner.name, op_name(inner), DELEGATE, DELEGATED)
+                for inner in compute_nodes(node.target, planned)
+            ]
+        elif node.op == "call_module" and node.target.startswith(PYTORCH_SUBMODULE):
+            nodes += [in_pytorch(inner) for inner in compute_nodes(node.target, built)]
+        elif is_compute(node):
+            nodes.append(in_pytorch(node))
+    return PartitionSummary(nodes=tuple(nodes), delegates=engines)
+
+
+def _converter_takes(node: torch.fx.Node) -> bool:
+    """Whether a TensorRT converter takes the node: the partitioner's own test, a converter
+    registered for its op whose capability validator accepts this node."""
+    from torch_tensorrt.dynamo.conversion import DYNAMO_CONVERTERS
+
+    return node in DYNAMO_CONVERTERS
 
 
 def _data_dependent_ops(program: torch.export.ExportedProgram) -> set[str]:
@@ -371,7 +384,7 @@ BACKEND = Tensorrt(
     schema=TensorrtConfig,
     runtime="tensorrt",
     delegate=DELEGATE,
-    audit=readers.tensorrt_engine,
+    audit=WeightsReader.tensorrt_engine,
 )
 
 

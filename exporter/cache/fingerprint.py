@@ -29,12 +29,10 @@ def code_of(
     modules: Sequence[str],
     files: Sequence[Path] = (),
     roots: Sequence[Path] = (PROJECT_ROOT,),
-    beyond: Sequence[str] = (),
 ) -> dict[str, dict[str, str]]:
     """The sources (path relative to its root, else absolute -> SHA-256 prefix) and the libraries
     (distribution -> version) of `modules` and `files` and of everything they import, lazily
-    inside functions too, but the modules `beyond` (and what only they import). A file's own
-    directory resolves its imports of its siblings."""
+    inside functions too. A file's own directory resolves its imports of its siblings."""
     roots = [root.resolve() for root in roots]
     files = [Path(file).resolve() for file in files]
     search = list(dict.fromkeys([*roots, *(file.parent for file in files)]))
@@ -58,8 +56,7 @@ def code_of(
         for candidates in _imports(tree, name, is_package=path.name == "__init__.py"):
             for candidate in candidates:
                 if found := _find(candidate, search):
-                    if candidate not in beyond:
-                        pending.append((found, candidate))
+                    pending.append((found, candidate))
                     break
             else:
                 libraries.update(_library(candidates[-1]))

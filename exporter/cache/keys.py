@@ -129,11 +129,7 @@ def lower(job: JobConfig, export_material: dict[str, Any]) -> dict[str, Any]:
         "settings": _lowering_settings(job.backend),
         "toolchain": backends.configured(job).toolchain(),
         "fallback": job.fallback.partitioning(),
-        # The declaration names the audit's reader, which reads the artifact once it is made:
-        # its code is not the artifact's.
-        "code": code_of(
-            [f"exporter.backends.{job.backend.name}"], beyond=("exporter.audit.readers",)
-        ),
+        "code": code_of([f"exporter.backends.{job.backend.name}"]),
     }
 
 

@@ -23,15 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from exporter.command import help as command_help
-from exporter.command import sweep
+from exporter.command import schemas, sweep
 from exporter.command import track as target_run
 from exporter.config import PROJECT_ROOT
-from exporter.config import store as config_store
 from exporter.errors import ConfigError
 from exporter.job import outputs, worker
 from exporter.tracking.record import JobContext
 
-config_store.register_schemas()
+schemas.register_schemas()
 outputs.register_resolver()
 command_help.register_resolver()
 

@@ -1,7 +1,7 @@
 """The part of `--help` that conf/ knows: every config group a user chooses from, with its
 options and the chosen one marked. conf/config.yaml's `hydra.help.template` takes it as
 `${help_groups:}`; Hydra's own listing ($APP_CONFIG_GROUPS) would also list the schemas stored
-under schema/ (exporter/config/store.py), which are not options.
+under schema/ (exporter/command/schemas.py), which are not options.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Typed schemas of a job, stored in Hydra's ConfigStore (exporter/config/store.py): a wrong key
-or type fails at compose.
+"""Typed schemas of a job, stored in Hydra's ConfigStore by the command
+(exporter/command/schemas.py): a wrong key or type fails at compose.
 
 The YAML files in `conf/` pick a schema from the `schema/<group>` entries and fill in its
 values; `JobConfig.__post_init__` checks what types alone cannot (bounds, tolerances).

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from exporter.tracking.record import JobRecord
 
 if TYPE_CHECKING:
+    from exporter.artifact import Artifact
     from exporter.audit import WeightsAudit
-    from exporter.backends import Artifact
     from exporter.benchmark import Benchmark
     from exporter.export import Diagnosis
     from exporter.localize import Localization

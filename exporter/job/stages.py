@@ -31,7 +31,8 @@ import torch
 from torch.export import ExportedProgram
 
 from exporter import audit, benchmark, config, export, localize, models, quantize, validate
-from exporter.backends import Artifact, ConfiguredBackend
+from exporter.artifact import Artifact
+from exporter.backends import ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
 from exporter.config import hf_checkpoint

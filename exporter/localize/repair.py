@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.backends.common.partition import DELEGATED, PartitionSummary
+from exporter.artifact.partition import DELEGATED, PartitionSummary
 from exporter.config import FallbackConfig, FallbackPolicy
 from exporter.errors import ConfigError
 from exporter.localize import FirstDivergence, Localization

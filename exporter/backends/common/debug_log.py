@@ -1,6 +1,5 @@
 """Reading what a backend's toolchain logs at DEBUG while it partitions: XNNPACK's reasons for
-refusing nodes, torch-tensorrt's partition report. Both belong in the partition report, not in
-the job's log."""
+refusing nodes, which belong in the partition report, not in the job's log."""
 
 from __future__ import annotations
 

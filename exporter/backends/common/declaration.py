@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.config import BackendConfig, FallbackConfig, LlmOps
 
 if TYPE_CHECKING:
-    from exporter.backends.common.artifact import Artifact, Output, WeightsReader
+    from exporter.artifact import Artifact, Output, WeightsReader
     from exporter.export import Exported
 
 
@@ -33,7 +33,7 @@ class Backend:
     runtime: str
     # Its backend id in partition reports; None where nothing is delegated.
     delegate: str | None
-    # How the weights audit reads its artifact's weights (exporter/audit/readers.py).
+    # Which reader of the weights audit reads its artifact's weights (exporter/audit/readers.py).
     audit: WeightsReader
     # By model dtype, a measured statement of where its artifacts lose precision that eager at
     # that dtype does not, which a failed validation at that dtype quotes.

@@ -29,15 +29,15 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from executorch.exir.passes.external_constants_pass import is_param_node
 from torch.export import ExportedProgram
 
-from exporter.backends.common.artifact import Artifact, Output
-from exporter.backends.common.partition import (
+from exporter.artifact import Artifact, Output
+from exporter.artifact.partition import (
     CPU,
     DELEGATED,
     NodePlacement,
     PartitionSummary,
     WrongKernelAvoided,
 )
-from exporter.backends.common.policy import Policy, op_name
+from exporter.backends.common.policy import Policy, is_compute, op_name
 from exporter.export import Exported
 from exporter.files import atomic_path
 from exporter.process import progress
@@ -252,12 +252,3 @@ def summarize(
             reason, detail = why_on_cpu(node)
             nodes.append(NodePlacement(node.name, op_name(node), CPU, reason, detail))
     return PartitionSummary(nodes=tuple(nodes), delegates=delegates)
-
-
-def is_compute(node: torch.fx.Node) -> bool:
-    """An operator call that produces tensors; getitem, delegate calls and size math are not."""
-    if node.op != "call_function" or not hasattr(node.target, "_schema"):
-        return False
-    value = node.meta.get("val")
-    values = value if isinstance(value, Sequence) else [value]
-    return bool(values) and all(isinstance(v, torch.Tensor) for v in values)

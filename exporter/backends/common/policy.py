@@ -3,12 +3,12 @@ backend, and why, in the partition report's words."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.export import ExportedProgram
 
-from exporter.backends.common.partition import DATA_DEPENDENT, NAMED, SMALL_BLOCK
+from exporter.artifact.partition import DATA_DEPENDENT, NAMED, SMALL_BLOCK
 from exporter.config import FallbackConfig, FallbackPolicy
 
 
@@ -18,6 +18,16 @@ def op_name(node: torch.fx.Node) -> str:
     if isinstance(node.target, torch._ops.OpOverload):
         return str(node.target)
     return str(getattr(node.target, "__name__", node.target))
+
+
+def is_compute(node: torch.fx.Node) -> bool:
+    """An operator call that produces tensors: the nodes a partition report places. Getitem,
+    delegate calls, size arithmetic on symbolic sizes and runtime asserts on it are not."""
+    if node.op != "call_function" or not hasattr(node.target, "_schema"):
+        return False
+    value = node.meta.get("val")
+    values = value if isinstance(value, Sequence) else [value]
+    return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
 
 
 class Policy:

@@ -45,7 +45,7 @@ from torch.export import ExportedProgram
 from torch.export.exported_program import InputKind, InputSpec, TensorArgument
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from exporter.backends.common.partition import WrongKernelAvoided
+from exporter.artifact.partition import WrongKernelAvoided
 
 aten = torch.ops.aten
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter.audit import readers
-from exporter.backends.common.artifact import Artifact, Output
+from exporter.artifact import Artifact, Output, WeightsReader
 from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig, LlmOps, QuantScheme, WrongKernels
 
@@ -124,7 +123,7 @@ BACKEND = Executorch(
     schema=ExecutorchConfig,
     runtime="executorch",
     delegate="XNNPACK",
-    audit=readers.pte,
+    audit=WeightsReader.pte,
     half_precision=HALF_PRECISION,
     # XNNPACK's 4-bit blockwise kernels keep each group's scale as a bfloat16: a one-layer
     # Llama's 8da4w artifact was off by 3.6e-3 to 4.9e-3 from the quantized model with its

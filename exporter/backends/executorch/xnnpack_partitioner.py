@@ -21,9 +21,9 @@ from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.fx.passes.infra.partitioner import Partition
 
+from exporter.artifact.partition import UNSUPPORTED
 from exporter.backends.common.debug_log import captured
 from exporter.backends.common.executorch_program import delegating
-from exporter.backends.common.partition import UNSUPPORTED
 from exporter.backends.common.policy import Policy
 from exporter.process import progress
 

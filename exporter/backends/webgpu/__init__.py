@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from exporter.audit import readers
-from exporter.backends.common.artifact import Artifact, Output
+from exporter.artifact import Artifact, Output, WeightsReader
 from exporter.backends.common.declaration import Backend
 from exporter.config import BackendConfig, FallbackConfig, ModelDtype
 from exporter.errors import ConfigError
@@ -101,4 +100,6 @@ class Webgpu(Backend):
         return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
 
 
-BACKEND = Webgpu(schema=WebgpuConfig, runtime="webgpu", delegate="VulkanBackend", audit=readers.pte)
+BACKEND = Webgpu(
+    schema=WebgpuConfig, runtime="webgpu", delegate="VulkanBackend", audit=WeightsReader.pte
+)

@@ -19,9 +19,9 @@ from executorch.backends.webgpu.partitioner import WebGPUPartitioner
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
 
-from exporter.backends.common.executorch_program import delegating, is_compute
-from exporter.backends.common.partition import UNSUPPORTED
-from exporter.backends.common.policy import Policy, op_name
+from exporter.artifact.partition import UNSUPPORTED
+from exporter.backends.common.executorch_program import delegating
+from exporter.backends.common.policy import Policy, is_compute, op_name
 from exporter.backends.webgpu import pattern_graphs
 from exporter.process import progress
 

@@ -1,23 +1,34 @@
 """What the lowering stage hands on: the deployable file (and the data file that travels with
-it), the runtime that loads it, the device it runs on, its partitioning."""
+it), the runtime that loads it, the device it runs on, the weights audit's reader of it, and its
+partitioning (exporter/artifact/partition.py).
+
+Later stages (the bundle, the weights audit, validation, localization, the benchmark) and the
+job's record take the artifact as a value, so it stands below every stage: none of them, and
+none of the backends that make it, imports another stage to name it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from exporter.backends.common.partition import PartitionSummary
+from exporter.artifact.partition import PartitionSummary
 
-if TYPE_CHECKING:
-    import torch
 
-    from exporter.audit.result import WeightsAudit
+class WeightsReader(Enum):
+    """Which reader of the weights audit reads an artifact's weights: one per artifact format,
+    each a function of exporter/audit/readers.py by that name. A backend declares its reader by
+    this name, so the backends import nothing of the audit, which runs after them."""
 
-# How the weights audit reads an artifact's weights: the artifact and the model's weights by
-# name (host tensors), to its audit (the readers are in exporter/audit/readers.py).
-WeightsReader = Callable[["Artifact", Mapping[str, "torch.Tensor"]], "WeightsAudit"]
+    # A .pte's constants, named data and .ptd (executorch, webgpu).
+    pte = "pte"
+    # An AOTInductor package's pickled weights (aoti).
+    aoti_package = "aoti_package"
+    # A torch.export program's state dict and constants (eager).
+    exported_program = "exported_program"
+    # Nothing: only TensorRT reads its engines (tensorrt).
+    tensorrt_engine = "tensorrt_engine"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The schemas conf/ selects, stored in Hydra's ConfigStore before anything composes a config:
 the job's, each model's and each backend module's (exporter/backends/).
 
-Apart from the schemas (exporter/config/__init__.py), which every stage imports, so that they
+Storing every backend's schema imports every backend module, so this stands with the command,
+above the backends; the schemas themselves (exporter/config/), which every stage imports,
 import no backend.
 """
 

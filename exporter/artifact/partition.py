@@ -1,4 +1,4 @@
-"""Where each compute node of a lowered program runs and why, and the `strict` policy's verdict.
+"""Where each compute node of a lowered program runs and why: the partition an artifact carries.
 
 The vocabulary is every backend's: a node runs in a delegate (by its backend id) or outside
 every delegate (on the CPU for ExecuTorch, in PyTorch for TensorRT), and a node outside is there
@@ -6,16 +6,14 @@ because the backend does not support it, because the policy keeps
 data-dependent output shapes off the backend, because the user named its op, or because its
 block was smaller than `fallback.min_block_size`. A node whose op the delegate is known to compute
 wrongly was rewritten before partitioning (`fallback.wrong_kernels=avoid`); the report lists
-those nodes, what they became, and why.
+those nodes, what they became, and why. Whether `fallback=strict` holds of a partition is the
+backends' verdict (exporter/backends/common/strict.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-
-from exporter.config import FallbackConfig, FallbackPolicy
-from exporter.errors import LoweringFailed
 
 CPU = "cpu"
 PARTITION_FILE = "partition.json"
@@ -141,19 +139,3 @@ class PartitionSummary:
             WrongKernelAvoided(**avoided) for avoided in payload.get("wrong_kernels_avoided", ())
         )
         return cls(nodes=nodes, delegates=payload["delegates"], wrong_kernels_avoided=avoided)
-
-
-def enforce(summary: PartitionSummary, fallback: FallbackConfig, backend: str) -> None:
-    """Raises LoweringFailed under `fallback=strict` if any compute node stayed outside."""
-    if fallback.policy is not FallbackPolicy.strict or not summary.fallback_op_count:
-        return
-    listing = "\n".join(
-        f"  {op} x{count}: {detail or reason}"
-        for _, reason, op, detail, count in summary.groups()
-        if reason != DELEGATED
-    )
-    raise LoweringFailed(
-        f"fallback=strict: {summary.fallback_op_count} compute nodes would run outside the "
-        f"{backend} delegate:\n{listing}\n"
-        "Use fallback=auto (or data_dependent) to let them run outside it."
-    )
