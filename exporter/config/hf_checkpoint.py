@@ -4,6 +4,12 @@ written by save_pretrained() (its config.json says what it is), or a GGUF file, 
 format, named itself or as the one .gguf of a directory without config.json (its header says
 its architecture; transformers dequantizes its weights into a float model).
 
+The files are untrusted, and read here without torch: a GGUF file's header and a safetensors
+file's must describe bytes the file has (exporter/config/gguf_header.py; below), and a pickle of
+weights (pytorch_model.bin) may import nothing that torch.load(weights_only=True) would not, as
+its opcodes say: a truncated, corrupt or hostile file is refused in a line, not seconds into the
+job by a loader's traceback or by torch's advice to unpickle it with weights_only=False.
+
 The model types transformers implements, those of them AutoModelForCausalLM loads, and the GGUF
 architectures it reads are taken from transformers' own tables (models/auto/auto_mappings.py,
 models/auto/modeling_auto.py, integrations/ggml.py) as the data they are, without importing it.
@@ -17,7 +23,15 @@ import ast
 import importlib.metadata
 import importlib.util
 import json
+import mmap
+import pickletools
+import struct
+import zipfile
+import zlib
+from collections import deque
+from collections.abc import Iterator
 from functools import cache
+from math import prod
 from pathlib import Path
 
 from exporter.config import gguf_header
@@ -25,6 +39,51 @@ from exporter.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 GGUF_SUFFIX = ".gguf"
+# The weights of a save_pretrained() directory, in the order transformers looks for them: one
+# file, or an index of the shards (modeling_utils._get_resolved_checkpoint_files).
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# What the safetensors package reads at most of a header (MAX_HEADER_SIZE), and the bits of a
+# value of each of its dtypes.
+_SAFETENSORS_HEADER_LIMIT = 100_000_000
+_SAFETENSORS_BITS = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 8),
+    **dict.fromkeys(("F8_E4M3FNUZ", "F8_E5M2FNUZ"), 8),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+# What torch.load(weights_only=True) imports besides torch's own names (torch.*), as
+# torch/_weights_only_unpickler.py's _get_allowed_globals lists them: a state dict's containers,
+# bytes. A name outside both is code that unpickling would run.
+_PICKLE_IMPORTS = frozenset(
+    (
+        "collections.OrderedDict",
+        "collections.Counter",
+        "_codecs.encode",
+        "builtins.bytearray",
+        "builtins.set",
+        "builtins.complex",
+    )
+)
+# The pickles at the start of torch.save()'s format before the zip archive (torch 1.6): a magic
+# number, the protocol's version, the system's sizes, the object, its storages' keys.
+_LEGACY_PICKLES = 5
+# Opcodes that push a string, and those that leave the stack as it is: STACK_GLOBAL imports the
+# module and the name of the two strings pushed last.
+_STRING_OPCODES = {
+    "STRING",
+    "BINSTRING",
+    "SHORT_BINSTRING",
+    "UNICODE",
+    "BINUNICODE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+}
+_STACK_KEEPING_OPCODES = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
 _TABLES = {
     # Every model type transformers has a config class for.
     "configs": (("models", "auto", "auto_mappings.py"), "CONFIG_MAPPING_NAMES"),
@@ -89,6 +148,11 @@ def check(checkpoint: Path) -> None:
             "object of a model's config."
         )
     _check_model_type(directory, raw)
+    for weights in weight_files(directory):
+        if weights.suffix == ".safetensors":
+            _check_safetensors(directory, weights)
+        else:
+            _check_pickle(directory, weights)
 
 
 def _check_model_type(directory: Path, raw: dict) -> None:
@@ -148,6 +212,201 @@ def no_causal_lm_head(directory: Path, model_type: object, saved_as: list[str]) 
         "causal-LM head (an encoder-only, encoder-decoder or headless model); model=hf exports "
         "causal LMs, the checkpoints AutoModelForCausalLM loads."
     )
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files transformers reads a save_pretrained() directory's weights from: safetensors
+    before pickles, one file before an index of shards; none where the directory has none."""
+    for single, index in (SAFETENSORS_FILES, PICKLE_FILES):
+        if (directory / single).is_file():
+            return [directory / single]
+        if (directory / index).is_file():
+            return _shards(directory, index)
+    return []
+
+
+def _shards(directory: Path, index: str) -> list[Path]:
+    try:
+        raw = json.loads((directory / index).read_text())
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"model.checkpoint={directory}: {index} is not JSON: {error}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) for name in weight_map.values()
+    ):
+        raise ConfigError(
+            f"model.checkpoint={directory}: {index} has no weight_map of tensor names to shard "
+            "files; save the checkpoint again."
+        )
+    shards = [directory / name for name in sorted(set(weight_map.values()))]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise ConfigError(
+            f"model.checkpoint={directory}: {index} names {len(missing)} shard files the "
+            f"directory lacks ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})."
+        )
+    return shards
+
+
+def _check_safetensors(directory: Path, file: Path) -> None:
+    """Refuses a safetensors file unless it is what the safetensors package reads: a u64 length,
+    a JSON object of that many bytes, then each tensor's bytes (its data_offsets, counted after
+    the header) end to end, of its dtype and shape's size, to the file's end."""
+
+    def corrupt(reason: str) -> ConfigError:
+        return ConfigError(
+            f"model.checkpoint={directory}: {file.name} is truncated or corrupt: {reason}; "
+            "download or save the checkpoint again."
+        )
+
+    try:
+        with file.open("rb") as stream:
+            prefix = stream.read(8)
+            if len(prefix) < 8:
+                raise corrupt(f"it has {len(prefix)} bytes, fewer than its header's length takes")
+            (length,) = struct.unpack("<Q", prefix)
+            size = file.stat().st_size
+            if length > min(size - 8, _SAFETENSORS_HEADER_LIMIT):
+                raise corrupt(
+                    f"its header's length is {length} bytes, and the file has {size - 8} after "
+                    f"it (safetensors reads at most {_SAFETENSORS_HEADER_LIMIT})"
+                )
+            text = stream.read(length)
+    except OSError as error:
+        raise ConfigError(
+            f"model.checkpoint={directory}: cannot read {file.name}: {error}"
+        ) from None
+    try:
+        header = json.loads(text.decode())
+    except (ValueError, RecursionError) as error:
+        raise corrupt(f"its header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    data_size = size - 8 - length
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
+        if not (
+            dtype in _SAFETENSORS_BITS
+            and _counts(shape)
+            and _counts(offsets)
+            and len(offsets) == 2
+            and offsets[0] <= offsets[1]
+        ):
+            raise corrupt(f"tensor {name} lacks a dtype safetensors knows, a shape or offsets")
+        begin, end = offsets
+        if end > data_size:
+            raise corrupt(
+                f"tensor {name} needs bytes {begin} to {end} of the data, and the file holds "
+                f"{data_size}"
+            )
+        bits = prod(shape) * _SAFETENSORS_BITS[dtype]
+        if bits != (end - begin) * 8:
+            raise corrupt(
+                f"tensor {name} ({dtype} {shape}) takes {bits / 8:g} bytes, and its offsets "
+                f"span {end - begin}"
+            )
+        spans.append((begin, end, name))
+    reached = 0
+    for begin, end, name in sorted(spans):
+        if begin != reached:
+            raise corrupt(f"tensor {name} starts at byte {begin} of the data, not {reached}")
+        reached = end
+    if reached != data_size:
+        raise corrupt(
+            f"its tensors end at byte {reached} of the data, and the file holds {data_size}"
+        )
+
+
+def _counts(value: object) -> bool:
+    """Whether `value` is a JSON list of counts (ints from 0)."""
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _check_pickle(directory: Path, file: Path) -> None:
+    """Refuses a pickle of weights that imports a name torch.load(weights_only=True) does not
+    allow: unpickling would call it. What a pickle imports is in its opcodes, read as data."""
+    try:
+        imported = next((name for name in _pickle_imports(file) if not _allowed_import(name)), None)
+    except (
+        ValueError,
+        EOFError,
+        NotImplementedError,
+        zipfile.BadZipFile,
+        zlib.error,
+        # zipfile's refusal of an encrypted member.
+        RuntimeError,
+    ) as error:
+        raise ConfigError(
+            f"model.checkpoint={directory}: {file.name} is truncated or corrupt: it is no pickle "
+            f"torch.save() wrote ({error}); download or save the checkpoint again."
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            f"model.checkpoint={directory}: cannot read {file.name}: {error}"
+        ) from None
+    if imported is not None:
+        raise ConfigError(
+            f"model.checkpoint={directory}: refused {file.name}: unpickling it would run code "
+            f"(it imports {imported}, which no state dict holds); model=hf loads weights, never "
+            "code. Use the checkpoint's safetensors weights (model.safetensors) instead."
+        )
+
+
+def _allowed_import(name: str) -> bool:
+    # Protocol 2 (torch.save()'s) names the builtins module as Python 2 did, and torch.load reads
+    # it as builtins.
+    name = name.replace("__builtin__.", "builtins.", 1)
+    # torch's own names pass here; torch.load(weights_only=True) allows only some of them, and
+    # exporter/models/hf.py words its refusal of the others.
+    return name.startswith("torch.") or name in _PICKLE_IMPORTS
+
+
+def _pickle_imports(file: Path) -> Iterator[str]:
+    """The names the pickles of a torch.save() file import (`module.name`): those of its zip
+    archive's .pkl members, or the first pickles of the format before it."""
+    size = file.stat().st_size
+    if zipfile.is_zipfile(file):
+        with zipfile.ZipFile(file) as archive:
+            for member in archive.infolist():
+                if not member.filename.endswith(".pkl"):
+                    continue
+                # zipfile reads a member in reads of up to its declared size: declared past the
+                # archive's end, one would ask for more bytes than the file has.
+                if member.header_offset + member.compress_size > size:
+                    raise ValueError(f"{member.filename} ends past the archive's end")
+                with archive.open(member) as stream:
+                    yield from _imports(pickletools.genops(stream))
+        return
+    if size == 0:
+        raise ValueError("it is empty")
+    # Mapped: a read of the file would allocate the bytes an opcode declares, a read of the
+    # mapping only those the file has.
+    with file.open("rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for _ in range(_LEGACY_PICKLES):
+            if data.tell() == size:
+                return
+            yield from _imports(pickletools.genops(data))
+
+
+def _imports(opcodes: Iterator[tuple]) -> Iterator[str]:
+    """What each opcode that imports names: GLOBAL and INST carry `module name`, STACK_GLOBAL
+    takes the two strings pushed before it (a name computed otherwise is named so), EXT1, EXT2
+    and EXT4 an entry of copyreg's registry."""
+    pushed: deque[str | None] = deque(maxlen=2)
+    for opcode, arg, _ in opcodes:
+        if opcode.name in ("GLOBAL", "INST"):
+            yield arg.replace(" ", ".", 1)
+        elif opcode.name == "STACK_GLOBAL":
+            known = len(pushed) == 2 and None not in pushed
+            yield ".".join(pushed) if known else "a name the pickle computes"
+        elif opcode.name.startswith("EXT"):
+            yield f"copyreg's extension {arg}"
+        if opcode.name not in _STACK_KEEPING_OPCODES:
+            pushed.append(arg if opcode.name in _STRING_OPCODES else None)
 
 
 @cache

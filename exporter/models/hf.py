@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,15 @@ def load(checkpoint: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreT
             output_loading_info=True,
             **gguf,
         )
+    except pickle.UnpicklingError as error:
+        # torch's safe loader (weights_only) refused a name the composed check lets through (one
+        # of torch's own); its message advises weights_only=False, which would run the file.
+        files = ", ".join(path.name for path in hf_checkpoint.weight_files(directory))
+        raise ConfigError(
+            f"model.checkpoint={checkpoint}: refused {files}: unpickling it would run code that "
+            "torch's safe loader does not allow; model=hf loads weights, never code. Use the "
+            "checkpoint's safetensors weights (model.safetensors) instead."
+        ) from error
     except (OSError, ValueError, RuntimeError) as error:
         raise ConfigError(
             f"model.checkpoint={checkpoint}: cannot load its weights: {error}"
