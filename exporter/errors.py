@@ -3,8 +3,11 @@ so a failure is reported by where it happened, not by what happened to be runnin
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import NoReturn
+
+from runtimes.files import NoRoom, nearest_folder, no_room_error, written_path
 
 
 class ExporterError(Exception):
@@ -40,6 +43,46 @@ class StartupFailed(ConfigError):
     """The job's libraries could not be loaded: this machine's setup, found before any work."""
 
     stage = "startup"
+
+
+class DiskFull(ConfigError):
+    """A write of the job found its filesystem full, or the user's quota spent. Where a job
+    writes is its configuration's to choose: a place it cannot write is refused before any work
+    (exporter/job/outputs.py, exit 2), and one found full during the job ends it with the same
+    code, not the code of the stage that happened to be writing (the model did not fail)."""
+
+    def __init__(self, no_room: OSError, stage: str) -> None:
+        """`no_room`: the write's error (NoRoom names what was being written); `stage`: where
+        the job was. The free space is measured now, once the partial files are removed."""
+        what = no_room.what if isinstance(no_room, NoRoom) else "a file"
+        path = written_path(no_room)
+        if path is None:
+            where = f"writing {what} (its path unknown)"
+        else:
+            usage = shutil.disk_usage(nearest_folder(path))
+            free = f"{_size(usage.free)} free of {_size(usage.total)} there"
+            where = f"writing {what} {path}: {free}"
+        super().__init__(
+            f"{no_room.strerror} {where}; free some space, or move the job's outputs "
+            "(hydra.run.dir=DIR, cache_dir=DIR, mlflow.tracking_uri=URI)."
+        )
+        self.stage = stage
+
+
+def disk_full(error: BaseException, stage: str) -> DiskFull | None:
+    """The DiskFull that `error` amounts to where a write in it found no room (an OSError it is
+    or came from, ENOSPC or EDQUOT), raised in `stage`; None otherwise."""
+    if isinstance(error, DiskFull):
+        return error
+    found = no_room_error(error)
+    return None if found is None else DiskFull(found, stage)
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 class ExportFailed(ExporterError):

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtimes.files import follow_umask
+from runtimes.files import atomic_path, follow_umask, room_checked
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +52,29 @@ class Cache:
                 return entry, True
             log.warning("[cache] %s entry %s is unusable (%s); rebuilding it", kind, entry, problem)
             shutil.rmtree(entry, ignore_errors=True)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        _remove_orphans(entry.parent)
-        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=_staging_prefix(entry.name)))
-        # Published as the entry: readable by whoever the umask lets read the cache.
-        follow_umask(staging)
+        staging = None
         try:
-            build(staging)
-            _write_manifest(staging, material)
-            try:
-                staging.rename(entry)
-            except OSError:
-                # Another job published the same entry first; theirs is as good as ours.
-                if _problem(entry) is not None:
-                    raise
+            # Inside the cleanup: a full filesystem is told apart while the partial entry is
+            # still there.
+            with room_checked(_entry_of(kind), entry):
+                entry.parent.mkdir(parents=True, exist_ok=True)
+                _remove_orphans(entry.parent)
+                staging = Path(
+                    tempfile.mkdtemp(dir=entry.parent, prefix=_staging_prefix(entry.name))
+                )
+                # Published as the entry: readable by whoever the umask lets read the cache.
+                follow_umask(staging)
+                build(staging)
+                _write_manifest(staging, material)
+                try:
+                    staging.rename(entry)
+                except OSError:
+                    # Another job published the same entry first; theirs is as good as ours.
+                    if _problem(entry) is not None:
+                        raise
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         log.info("[cache] stored: %s %s", kind, entry)
         return entry, False
 
@@ -76,6 +83,12 @@ class Cache:
         for kind in self.root.iterdir() if self.root.is_dir() else ():
             for staging in kind.glob(f".staging-*-{_owner(pid)}-*"):
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def _entry_of(kind: str) -> str:
+    """What a full filesystem's message says was being written: `the goldens' cache entry`."""
+    possessive = "'" if kind.endswith("s") else "'s"
+    return f"the {kind}{possessive} cache entry"
 
 
 def _staging_prefix(key: str) -> str:
@@ -119,7 +132,9 @@ def link_files(entry: Path, out_dir: Path) -> list[Path]:
         try:
             os.link(source, destination)
         except OSError:
-            shutil.copy2(source, destination)
+            # Whole or not at all: a copy that finds the filesystem full leaves nothing.
+            with atomic_path(destination, f"a copy of the cache's {source.name}") as temporary:
+                shutil.copy2(source, temporary)
         placed.append(destination)
     return placed
 

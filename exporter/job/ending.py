@@ -8,6 +8,7 @@ tracking is on, an MLflow run with a final status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 from collections.abc import Mapping
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exporter.config import MlflowConfig
-from exporter.errors import ExporterError, TrackingFailed
+from exporter.errors import DiskFull, ExporterError, TrackingFailed
 from exporter.files import write_bytes
 from exporter.job import verdict as job_verdict
 from exporter.tracking import comparison
 from exporter.tracking.record import JobContext, JobRecord, now_ms
+from runtimes.files import NoRoom
 
 if TYPE_CHECKING:
     from exporter.tracking.runs import Store
@@ -34,11 +36,26 @@ def conclude(
 ) -> int:
     """Writes the ended job's summary and plots into its run dir, closes its MLflow run and logs
     the job's closing lines; returns the job's exit code, or the tracking failure's where the
-    job itself passed."""
+    job itself passed. A run dir with no room for them fails a job that had not failed
+    (DiskFull); its MLflow run still records how the job ended."""
     record.ended_ms = now_ms()
-    summary = comparison.JobSummary.of(record, comparison.group_choices(context.choices))
-    summary.write(record.run_dir)
-    plots = comparison.write_plots([summary], [context.run_name], record.run_dir)
+    choices = comparison.group_choices(context.choices)
+    summary = comparison.JobSummary.of(record, choices)
+    plots: list[Path] = []
+    try:
+        summary.write(record.run_dir)
+        plots = comparison.write_plots([summary], [context.run_name], record.run_dir)
+    except NoRoom as no_room:
+        full = DiskFull(no_room, "job")
+        # A job that ended for want of room has said so: its summary finding none adds nothing.
+        if not isinstance(record.error, DiskFull):
+            log.error("[%s] %s", full.stage, full)
+        if record.error is None and record.stopped_by is None:
+            record.error = full
+            summary = comparison.JobSummary.of(record, choices)
+            # Where the summary fitted and the plots did not, it says how the job ended now.
+            with contextlib.suppress(NoRoom):
+                summary.write(record.run_dir)
     exit_code, run_link = record.exit_code, []
     if store is not None and run_id is not None:
         # Imported only here: a job with mlflow=off never imports mlflow.
@@ -47,7 +64,7 @@ def conclude(
         try:
             tracking.end_run(store, run_id, record, summary)
             run_link = job_verdict.mlflow_run_lines(store.uri, store.experiment_id, run_id)
-        except TrackingFailed as error:
+        except (TrackingFailed, DiskFull) as error:
             log.error("[%s] %s", error.stage, error)
             exit_code = exit_code or error.exit_code
     seconds = (now_ms() - record.started_ms) / 1000
@@ -100,5 +117,10 @@ def keep_traceback(error: ExporterError, run_dir: Path) -> None:
     if error.__cause__ is None:
         return
     text = "".join(traceback.format_exception(error.__cause__))
-    path = write_bytes(run_dir / TRACEBACK_FILE, text.encode())
+    try:
+        path = write_bytes(run_dir / TRACEBACK_FILE, text.encode(), "the traceback")
+    except NoRoom as no_room:
+        lost = DiskFull(no_room, error.stage)
+        log.error("[%s] the traceback behind this error is not kept: %s", error.stage, lost)
+        return
     log.error("[%s] the traceback behind this error is in %s", error.stage, path)

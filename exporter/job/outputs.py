@@ -26,8 +26,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from exporter.config import JobConfig, MlflowConfig, mlflow_of, to_job
-from exporter.errors import ConfigError, stop_before_any_job
+from exporter.errors import ConfigError, DiskFull, stop_before_any_job
 from exporter.tracking import server as tracking_server
+from runtimes.files import NoRoom, write_refused
 
 # The keys that put a job's outputs elsewhere: all three are under outputs/ by default.
 MOVED_BY = (
@@ -62,7 +63,8 @@ def register_resolver() -> None:
 
 
 def writable_dir(path: Path, what: str) -> None:
-    """Creates `path` if it is missing; ConfigError unless this process can write in it."""
+    """Creates `path` if it is missing; ConfigError unless this process can write in it, and
+    DiskFull where its filesystem has no room left."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{what} {path} is a file, not a folder; {MOVED_BY}.")
     try:
@@ -71,6 +73,8 @@ def writable_dir(path: Path, what: str) -> None:
         raise ConfigError(f"cannot create {what} {path} ({error.strerror}); {MOVED_BY}.") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write in {what} {path}; {MOVED_BY}.")
+    if (number := write_refused(path)) is not None:
+        raise DiskFull(NoRoom(number, what, path), "config")
 
 
 def accepted(cfg: DictConfig) -> JobConfig:

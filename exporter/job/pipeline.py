@@ -18,7 +18,7 @@ import signal
 from collections.abc import Mapping
 
 from exporter import backends, config
-from exporter.errors import ExporterError
+from exporter.errors import ExporterError, disk_full
 from exporter.job.ending import conclude, keep_traceback, open_run, start_run
 from exporter.job.produced import Produced
 from exporter.job.timing import Notify, stage
@@ -60,7 +60,12 @@ def run(
             from exporter.job import stages
 
         stages.run(job, backend, produced, record, notify)
-    except ExporterError as error:
+    except Exception as raised:
+        # A full disk between stages (report.json once the last stage ran) ends the job as one
+        # in a stage does.
+        error = disk_full(raised, record.stage or "job") or raised
+        if not isinstance(error, ExporterError):
+            raise
         record.error = error
         log.error("[%s] %s", error.stage, error)
         keep_traceback(error, record.run_dir)

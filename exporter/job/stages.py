@@ -50,7 +50,7 @@ from exporter.validate import goldens, sessions, text
 from exporter.validate.plan import plan
 from runtimes import Loaded
 from runtimes import load as load_runtime
-from runtimes.files import PARTIAL_PREFIX
+from runtimes.files import PARTIAL_PREFIX, room_checked
 from runtimes.formats import bundle as bundles
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.errors import ArtifactFailed
@@ -149,7 +149,8 @@ class _Store:
             return
         folder = Path(tempfile.mkdtemp(dir=self.run_dir, prefix=PARTIAL_PREFIX))
         try:
-            build(folder)
+            with room_checked(f"the {kind} stage's files", folder):
+                build(folder)
             yield folder
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -739,7 +740,7 @@ def _failure_message(
 
 def _write_report(run_dir: Path, produced: Produced) -> None:
     """report.json: validation's report, and what later stages found, each in its section."""
-    write_json(run_dir / REPORT_FILE, json_safe(_report_payload(produced)))
+    write_json(run_dir / REPORT_FILE, json_safe(_report_payload(produced)), "the report")
 
 
 def _report_payload(produced: Produced) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from exporter.errors import STAGE_ERRORS, ExporterError
+from exporter.errors import STAGE_ERRORS, ExporterError, disk_full
 from exporter.process import interrupts, memory, progress
 from exporter.tracking.record import JobRecord
 
@@ -22,8 +22,8 @@ Notify = Callable[[str, str], None]
 def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
     """Times and announces the stage, says how long it has run while it runs long
     (exporter/process/progress.py) and measures its peak RSS; an unexpected exception in it
-    becomes the stage's ExporterError. Its start and end are the points where a requested stop
-    happens."""
+    becomes the stage's ExporterError, and a write that found no room DiskFull. Its start and
+    end are the points where a requested stop happens."""
     interrupts.check()
     record.stage = name
     notify("stage", name)
@@ -34,9 +34,12 @@ def stage(record: JobRecord, name: str, notify: Notify) -> Iterator[None]:
     try:
         with progress.reported(name, progress.PERIOD_S):
             yield
-    except ExporterError:
-        raise
     except Exception as error:
+        if (full := disk_full(error, name)) is not None:
+            # Its message says all there is to do; what was being written is removed.
+            raise full from None
+        if isinstance(error, ExporterError):
+            raise
         raise STAGE_ERRORS[name](f"{type(error).__name__}: {error}") from error
     finally:
         record.seconds[name] = time.perf_counter() - start

@@ -39,14 +39,14 @@ from omegaconf import DictConfig, OmegaConf
 from exporter import config
 from exporter.cache.store import Cache
 from exporter.config import PROJECT_ROOT
-from exporter.errors import STAGE_ERRORS, ConfigError
+from exporter.errors import STAGE_ERRORS, ConfigError, DiskFull
 from exporter.files import write_bytes
 from exporter.job import outputs
 from exporter.job.ending import conclude, keep_traceback, open_run
 from exporter.process import interrupts, memory, slurm
 from exporter.tracking.record import JobContext, JobRecord
 from runtimes import native_log
-from runtimes.files import PARTIAL_PREFIX
+from runtimes.files import PARTIAL_PREFIX, NoRoom
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,12 @@ def run(cfg: DictConfig, context: JobContext, logging_config: dict[str, Any]) ->
     params = config.flatten(cfg)
     try:
         job = outputs.accepted(cfg)
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True).encode()
+        write_bytes(context.run_dir / CONFIG_FILE, config_yaml, "the job's config")
     except ConfigError as error:
         return _refused(cfg, params, context, record, error)
-    write_bytes(context.run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True).encode())
+    except NoRoom as no_room:
+        return _refused(cfg, params, context, record, DiskFull(no_room, "config"))
     progress = _Progress()
     read_end, write_end = os.pipe()
     with _forwarded() as stops:
@@ -203,10 +206,10 @@ def _refused(
     record: JobRecord,
     error: ConfigError,
 ) -> int:
-    """A config the schema rejects: nothing runs. A job of a sweep still gets its run dir and
-    FAILED run, so the sweep's comparison has every job; a single job, refused here only where
-    its config changed since it was checked (a tracking server that stopped answering), records
-    no run."""
+    """A config the schema rejects, or a run dir too full for it: nothing runs. A job of a
+    sweep still gets its run dir and FAILED run, so the sweep's comparison has every job; a
+    single job, refused here only where its config changed since it was checked (a tracking
+    server that stopped answering, a disk that filled), records no run."""
     record.error = error
     log.error("[%s] %s", error.stage, error)
     keep_traceback(error, context.run_dir)

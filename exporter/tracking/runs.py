@@ -15,16 +15,19 @@ every use of a SQLite store here holds a lock file beside the database first.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import math
 import os
+import sqlite3
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
@@ -33,13 +36,19 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from exporter.config import MlflowConfig
-from exporter.errors import ConfigError, ExporterError, TrackingFailed, TrackingUnavailable
+from exporter.errors import (
+    ConfigError,
+    DiskFull,
+    ExporterError,
+    TrackingFailed,
+    TrackingUnavailable,
+)
 from exporter.process.memory import GB
 from exporter.tracking import server as tracking_server
 from exporter.tracking.comparison import JobSummary
 from exporter.tracking.record import OUTCOMES, JobRecord, now_ms
 from exporter.validate.plan import steps
-from runtimes.files import PARTIAL_PREFIX
+from runtimes.files import PARTIAL_PREFIX, NoRoom, error_chain, no_room_error, written_path
 from runtimes.formats.bundle import MANIFEST
 from runtimes.verdict.report import Report
 from runtimes.verdict.shapes import label
@@ -150,6 +159,8 @@ def _opening(uri: str) -> Iterator[None]:
     # Whatever stops the store from opening (a bad URI, a path that cannot be written, a server
     # that answers with an error) surfaces as a different exception type; all mean the same.
     except Exception as error:
+        if (full := _full_store(error, uri)) is not None:
+            raise full from None
         raise TrackingUnavailable(
             f"cannot open the MLflow store at mlflow.tracking_uri={uri}: {error}"
         ) from error
@@ -299,6 +310,8 @@ def _create_run(
                 store.experiment_id, start_time=start_ms, tags=tags, run_name=run_name
             )
     except Exception as error:
+        if (full := _full_store(error, store.uri)) is not None:
+            raise full from None
         raise failure(f"cannot create an MLflow run in {store.uri}: {error}") from error
     return run.info.run_id
 
@@ -315,14 +328,49 @@ def _written(
     try:
         yield
     except Exception as error:
+        full = _full_store(error, store.uri, (store, run_id))
         try:
             with _serialized(store.uri):
                 store.client.set_terminated(run_id, "FAILED", end_time=now_ms())
         except Exception as closing:
-            log.error("[track] MLflow run %s could not be closed either: %s", run_id, closing)
+            # A full store refuses the closing too, for the reason the full disk's line says.
+            if full is None:
+                log.error("[track] MLflow run %s could not be closed either: %s", run_id, closing)
+        if full is not None:
+            raise full from None
         raise failure(
             f"MLflow run {run_id} could not be written to {store.uri}: {error}. {kept}"
         ) from error
+
+
+def _full_store(
+    error: BaseException, uri: str, run: tuple[Store, str] | None = None
+) -> DiskFull | None:
+    """DiskFull where a write to the store found no room: a file of `run` copied to its artifact
+    folder, or SQLite's database, whose "database or disk is full" names no errno."""
+    found = no_room_error(error)
+    if found is not None and written_path(found) is None and run is not None:
+        # MLflow's copy into the run's artifact folder names neither file.
+        folder = _artifact_folder(*run)
+        if folder is not None:
+            found = NoRoom(found.errno, "the MLflow run's files", folder)
+    sqlite_full = any(
+        isinstance(cause, sqlite3.Error) and cause.sqlite_errorcode == sqlite3.SQLITE_FULL
+        for cause in error_chain(error)
+    )
+    if found is None and sqlite_full and uri.startswith("sqlite:///"):
+        found = NoRoom(errno.ENOSPC, "the MLflow store", Path(uri.removeprefix("sqlite:///")))
+    return None if found is None else DiskFull(found, "track")
+
+
+def _artifact_folder(store: Store, run_id: str) -> Path | None:
+    """The folder of the run's artifacts where it is on this machine; None where it is not, or
+    the store cannot say."""
+    try:
+        artifact_uri = urlparse(store.client.get_run(run_id).info.artifact_uri)
+    except Exception:
+        return None
+    return Path(artifact_uri.path) if artifact_uri.scheme in ("", "file") else None
 
 
 @contextmanager

@@ -18,12 +18,13 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from runtimes.files import atomic_path
+from runtimes.files import atomic_path, room_checked
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.shapes import LiveShape
@@ -97,38 +98,45 @@ def write(
 ) -> Bundle:
     """Writes the bundle into `folder` (made or emptied): `artifact_files` first (the artifact,
     then its data file), `goldens` linked where it is a file, saved where it is in memory, and
-    the manifest last, so a bundle whose writing stopped has none and is refused. `sessions`:
-    a model with a KV cache's, as `Bundle.sessions` says."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.iterdir():
-        stale.unlink()
-    placed = [_link(path, folder) for path in artifact_files]
-    if isinstance(goldens, Path):
-        placed.append(_link(goldens, folder))
-    else:
-        placed.append(stored_goldens.save(goldens, folder))
-    bundle = Bundle(
-        folder=folder,
-        runtime=runtime,
-        device=device,
-        artifact=placed[0].name,
-        output_names=tuple(output_names),
-        shapes=tuple(shapes),
-        executions=tuple(executions),
-        tolerances=tolerances,
-        source=dict(source),
-        files={
-            path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in placed
-        },
-        sessions=tuple(sessions),
-    )
-    manifest = {"format": SESSIONS_FORMAT if sessions else FORMAT} | {
-        f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
-    }
-    manifest["tolerances"] = asdict(tolerances)
-    with atomic_path(folder / MANIFEST) as temporary:
-        temporary.write_text(json.dumps(manifest, indent=2))
-    return bundle
+    the manifest last, so a bundle whose writing stopped has none and is refused. One that
+    fails is removed, NoRoom naming it where its filesystem is full. `sessions`: a model with a
+    KV cache's, as `Bundle.sessions` says."""
+    try:
+        with room_checked("the bundle", folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in folder.iterdir():
+                stale.unlink()
+            placed = [_link(path, folder) for path in artifact_files]
+            if isinstance(goldens, Path):
+                placed.append(_link(goldens, folder))
+            else:
+                placed.append(stored_goldens.save(goldens, folder))
+            bundle = Bundle(
+                folder=folder,
+                runtime=runtime,
+                device=device,
+                artifact=placed[0].name,
+                output_names=tuple(output_names),
+                shapes=tuple(shapes),
+                executions=tuple(executions),
+                tolerances=tolerances,
+                source=dict(source),
+                files={
+                    path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)}
+                    for path in placed
+                },
+                sessions=tuple(sessions),
+            )
+            manifest = {"format": SESSIONS_FORMAT if sessions else FORMAT} | {
+                f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
+            }
+            manifest["tolerances"] = asdict(tolerances)
+            with atomic_path(folder / MANIFEST) as temporary:
+                temporary.write_text(json.dumps(manifest, indent=2))
+            return bundle
+    except Exception:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def read(folder: Path) -> Bundle:

@@ -156,6 +156,6 @@ def _plot(
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small")
     figure.suptitle(title)
-    with atomic_path(path) as temporary:
+    with atomic_path(path, "the plot") as temporary:
         figure.savefig(temporary, format="png", dpi=110)
     return path

@@ -286,7 +286,7 @@ class JobSummary:
         return cls(job=job_dir.name, choices=choices, status="no result", exit_code=None)
 
     def write(self, folder: Path) -> Path:
-        return write_json(folder / SUMMARY_FILE, asdict(self))
+        return write_json(folder / SUMMARY_FILE, asdict(self), "the job's summary")
 
     @classmethod
     def read(cls, folder: Path) -> JobSummary:
