@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
 from exporter.tracking import comparison
 from exporter.tracking.comparison import JobSummary
 from exporter.tracking.comparison.table import labels
+from tests.drawn_plots import Panel, job_colours, panels, saved_figures
 
 
 def job_dir(sweep_dir: Path, name: str, backend: str) -> Path:
@@ -65,21 +67,53 @@ def test_jobs_are_listed_by_their_number_not_their_name(tmp_path: Path) -> None:
     assert [s.job for s in comparison.collect(tmp_path)] == names[::-1]
 
 
-def test_each_dynamic_dim_gets_a_panel_with_the_jobs_that_have_it(tmp_path: Path) -> None:
+def test_each_dynamic_dim_gets_a_panel_with_the_jobs_that_have_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     encoder = passed("1-encoder-executorch", "executorch")
     encoder.choices["model"] = "encoder"
     encoder.shapes = [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 64}, {"batch": 8, "seq": 1}]
+    # Errors of its own, so that a point placed by another shape's size shows.
+    encoder.max_abs_err = [2e-7, 1e-7, 3e-7]
+    figures = saved_figures(monkeypatch)
     plots = comparison.write_plots([passed("0-mlp-eager", "eager"), encoder], ["a", "b"], tmp_path)
     assert [plot.name for plot in plots] == [
         "max_abs_err_vs_size.png",
         "latency_vs_size.png",
         "speedup_vs_eager_vs_size.png",
     ]
-    # Two panels side by side (batch: both jobs; seq: the encoder's), each 7 inches at 110 dpi.
-    assert all(Image.open(plot).size == (1540, 495) for plot in plots)
+    # Two panels side by side, each 7 inches at 110 dpi, and both jobs' lines drawn.
+    for plot in plots:
+        assert Image.open(plot).size == (1540, 495)
+        assert job_colours(plot) == [0, 1]
+    # Each point a live shape placed by that dim's size: batch has both jobs, seq the encoder.
+    error, latency, speedup = (panels(figure) for figure in figures)
+    assert error == [
+        Panel(
+            "live size of batch",
+            {"a": [(1, 3e-8), (2, 4e-8), (64, 8.5e-8)], "b": [(1, 1e-7), (1, 2e-7), (8, 3e-7)]},
+        ),
+        Panel("live size of seq", {"b": [(1, 2e-7), (1, 3e-7), (64, 1e-7)]}),
+    ]
+    assert latency == [
+        Panel(
+            "live size of batch",
+            {"a": [(1, 0.05), (2, 0.05), (64, 0.07)], "b": [(1, 0.05), (1, 0.05), (8, 0.07)]},
+        ),
+        Panel("live size of seq", {"b": [(1, 0.05), (1, 0.07), (64, 0.05)]}),
+    ]
+    assert speedup == [
+        Panel(
+            "live size of batch",
+            {"a": [(1, 2.0), (2, 2.0), (64, 1.0)], "b": [(1, 2.0), (1, 2.0), (8, 1.0)]},
+        ),
+        Panel("live size of seq", {"b": [(1, 1.0), (1, 2.0), (64, 2.0)]}),
+    ]
 
 
-def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path) -> None:
+def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     failed = JobSummary(
         job="1-mlp-executorch",
         choices={"model": "mlp", "backend": "executorch"},
@@ -89,6 +123,7 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
         error="fallback=strict: 2 compute nodes would run outside\n  aten.nonzero x2",
     )
     summaries = [passed("0-mlp-eager", "eager"), failed]
+    figures = saved_figures(monkeypatch)
     files = comparison.write(summaries, "Sweep test", tmp_path)
     assert [path.name for path in files] == [
         "comparison.csv",
@@ -97,6 +132,11 @@ def test_the_files_hold_one_row_per_job_and_a_plot_of_each_series(tmp_path: Path
         "latency_vs_size.png",
         "speedup_vs_eager_vs_size.png",
     ]
+    # The failed job has no figures: each plot draws the passed job's line alone.
+    passed_label = labels(summaries)[0]
+    for figure, plot in zip(figures, files[2:], strict=True):
+        assert [list(panel.lines) for panel in panels(figure)] == [[passed_label]]
+        assert job_colours(plot) == [0]
     with (tmp_path / "comparison.csv").open() as file:
         rows = list(csv.DictReader(file))
     assert [(r["job"], r["backend"], r["status"], r["failed_stage"]) for r in rows] == [

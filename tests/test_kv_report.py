@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
+from exporter.tracking import comparison
+from exporter.tracking.comparison import JobSummary
+from exporter.tracking.comparison.plots import ERROR_PLOT
 from tests.conftest import CliResult, run_exporter
+from tests.drawn_plots import Panel, job_colours, panels, saved_figures
 from tests.test_bundle import check
 from tests.test_kv_cache import SMALL
 
@@ -104,14 +108,32 @@ def test_the_weights_audit_skips_the_cache_buffers(kv_job: CliResult) -> None:
     assert "0 unseen, 3 state buffers skipped" in kv_job.output
 
 
-def test_the_error_plot_is_per_position(kv_job: CliResult) -> None:
+def test_the_error_plot_is_per_position(
+    kv_job: CliResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     summary = json.loads((kv_job.run_dir / "summary.json").read_text())
     assert summary["greedy"].startswith("greedy 8 tokens")
-    png = (kv_job.run_dir / "max_abs_err_vs_size.png").read_bytes()
+    plot = kv_job.run_dir / ERROR_PLOT
     # One panel, 7 inches at 110 dpi: error against position, not a panel per name of the
-    # step's shape (session, pos, seq).
-    width, height = struct.unpack(">II", png[16:24])
-    assert (width, height) == (770, 495)
+    # step's shape (session, pos, seq); the job's line drawn in its colour.
+    assert Image.open(plot).size == (770, 495)
+    assert job_colours(plot) == [0]
+    # What the plot draws, from the summary the job drew it from: a line per session, each
+    # judged step's error at its position, as report.json has them.
+    figures = saved_figures(monkeypatch)
+    comparison.write_plots([JobSummary.read(kv_job.run_dir)], ["job"], tmp_path)
+    sessions = kv_job.report()["sessions"]
+    assert panels(figures[0]) == [
+        Panel(
+            "position of the step in the KV cache",
+            {
+                f"job session {session['session']}": [
+                    (step["position"], step["max_abs"]) for step in session["steps"]
+                ]
+                for session in sessions
+            },
+        )
+    ]
 
 
 def test_the_bundle_replays_the_sessions_and_passes(kv_job: CliResult, tmp_path: Path) -> None:

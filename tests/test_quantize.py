@@ -6,7 +6,6 @@ layers (the refusal bypassed) and a lowering that rounds activations otherwise."
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -25,7 +24,7 @@ from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor 
 from exporter import backends, config, models, quantize
 from exporter.artifact.partition import DELEGATED
 from exporter.backends.eager import Eager
-from exporter.errors import ConfigError, ValidationFailed
+from exporter.errors import ConfigError, QualityFailed, ValidationFailed
 from exporter.job import stages
 from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
@@ -167,9 +166,12 @@ def test_the_weight_only_refusal_exits_2_without_a_traceback(tmp_path: Path) -> 
     assert not runs.exists()
 
 
-def job_with(run_dir: Path, backend: backends.ConfiguredBackend, *overrides: str) -> dict:
+def job_with(
+    run_dir: Path, backend: backends.ConfiguredBackend, *overrides: str
+) -> tuple[ValidationFailed | None, dict]:
     """A job of `overrides`, its stages handed `backend` (which its config may refuse at
-    compose); report.json, whose "passed" says the verdict."""
+    compose): the validation error it ended with (None where it passed), and report.json, whose
+    "passed" says fidelity's verdict."""
     job = config.to_job(
         composed("backend=eager", *overrides, "mlflow=off", "benchmark=off", "cache=false")
     )
@@ -177,9 +179,23 @@ def job_with(run_dir: Path, backend: backends.ConfiguredBackend, *overrides: str
     job.backend = backend.config
     record, produced = JobRecord(run_dir=run_dir), Produced()
     run_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(ValidationFailed):
+    try:
         stages.run(job, backend, produced, record, lambda *_: None)
-    return json.loads((run_dir / stages.REPORT_FILE).read_text())
+    except ValidationFailed as error:
+        return error, json.loads((run_dir / stages.REPORT_FILE).read_text())
+    return None, json.loads((run_dir / stages.REPORT_FILE).read_text())
+
+
+def assert_failed_on_fidelity(error: ValidationFailed | None, report: dict) -> None:
+    """The job failed on fidelity: its artifact computes other than the quantized model. Not
+    on quality alone: QualityFailed, the error of a scheme over quantize.budget, is a
+    ValidationFailed too (exit 1), and says that fidelity passed."""
+    assert error is not None, "the job passed"
+    assert not isinstance(error, QualityFailed), f"failed on quality alone: {error}"
+    assert type(error) is ValidationFailed and error.exit_code == 1, repr(error)
+    # Validation's message and report.json's verdict: the artifact against the quantized model.
+    assert "less accurate than eager at the model's dtype" in str(error), error
+    assert not report["passed"]
 
 
 def xnnpack(group_scales: str | None = "bfloat16") -> backends.ConfiguredBackend:
@@ -234,10 +250,10 @@ def test_fidelity_sees_xnnpacks_bfloat16_scales_against_torchaos_float32_ones(
     pte = on_xnnpack["8da4w"][0] / "model.pte"
     torchaos = xnnpack(group_scales=None)
     # Localizing the failure is not what this proves (and took 5 of its 6 minutes).
-    report = job_with(
+    error, report = job_with(
         tmp_path, torchaos, "quantize=8da4w", f"artifact={pte}", "validate.localize=off", *TINY
     )
-    assert not report["passed"]
+    assert_failed_on_fidelity(error, report)
     # A systematic error (the issue measured 8.6e-3 on a 2-layer model), not one flip: it fails
     # at most shapes (where the rounding band holds a flip, it may hide below it).
     failed = [e for e in report["executions"] if not e["passed"]]
@@ -253,8 +269,8 @@ def test_fidelity_sees_xnnpacks_bfloat16_scales_against_torchaos_float32_ones(
 def test_xnnpacks_weight_only_garbage_fails_fidelity_when_the_refusal_is_bypassed(
     tmp_path: Path,
 ) -> None:
-    report = job_with(tmp_path, xnnpack(), "quantize=int8_weight", *TINY)
-    assert not report["passed"]
+    error, report = job_with(tmp_path, xnnpack(), "quantize=int8_weight", *TINY)
+    assert_failed_on_fidelity(error, report)
     assert all(not e["passed"] for e in report["executions"])
     # Off by orders of magnitude more than eager (the issue measured 1.7e3 on logits).
     assert min(o["ratio"] for e in report["executions"] for o in e["outputs"]) > 1e3
@@ -282,9 +298,7 @@ def test_a_lowering_that_rounds_activations_otherwise_fails_fidelity_and_is_name
 
     monkeypatch.setattr(Eager, "lower", planted)
     record, report = job_in_process(tmp_path, "backend=eager", "quantize=8da4w", *TINY)
-    assert isinstance(record.error, ValidationFailed)
-    assert record.error.exit_code == 1
-    assert not report["passed"]
+    assert_failed_on_fidelity(record.error, report)
     divergence = report["first_divergence"]
     assert divergence["reproduced"], divergence
     # The first node whose value leaves eager's error: the first layer's activation rounding.

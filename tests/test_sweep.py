@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from exporter.tracking import runs as tracking
 from tests.conftest import PROJECT_ROOT, SweepResult, run_sweep
+from tests.drawn_plots import job_colours
 from tests.mlflow_ui import CHROMIUM, STATUS, browse_sweep, serve_mlflow, shown_as_logged
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -170,6 +171,9 @@ def test_the_plots_and_report_are_on_the_parent_run(failing_sweep: SweepResult) 
     plots = ("max_abs_err_vs_size.png", "latency_vs_size.png", "speedup_vs_eager_vs_size.png")
     for plot in plots:
         assert (failing_sweep.sweep_dir / plot).read_bytes().startswith(PNG_MAGIC)
+        # The lines of the two jobs that ran (0-mlp-eager in C0, 2-mlp-executorch in C1); the
+        # two the config refused have no figures to draw.
+        assert job_colours(failing_sweep.sweep_dir / plot) == [0, 1], plot
     parent, children = failing_sweep.parent_and_children()
     client = MlflowClient(failing_sweep.tracking_uri)
     logged = {artifact.path for artifact in client.list_artifacts(parent.info.run_id)}

@@ -183,8 +183,17 @@ def test_a_failed_check_is_a_failed_run(checked: Checked, attached: Attached) ->
     (child,) = [r for r in checked.children() if r.data.tags.get("target.report_sha256") == sha]
     assert child.info.status == "FAILED"
     assert (child.data.tags["status"], child.data.tags["exit_code"]) == ("failed", "1")
-    assert child.data.metrics["worst_error_ratio"] > 1
-    assert child.data.metrics["needed_factor"] == strict.report()["shapes"][0]["needed_factor"]
+    # The run's figures are the worst over the live shapes that measured them, whichever shape
+    # that is on this CPU (an Intel Xeon's first shape needs factor 1.278, its worst 1.638);
+    # each shape's error ratio is at its step.
+    measured = [shape for shape in strict.report()["shapes"] if shape["ratio"] != "nan"]
+    metrics = child.data.metrics
+    assert metrics["worst_error_ratio"] == max(shape["ratio"] for shape in measured) > 1
+    assert metrics["needed_factor"] == max(shape["needed_factor"] for shape in measured) > 1
+    ratios = MlflowClient(checked.tracking_uri).get_metric_history(child.info.run_id, "error_ratio")
+    assert [(m.step, m.value) for m in ratios] == [
+        (shape["shape"]["batch"], shape["ratio"]) for shape in measured
+    ]
 
 
 def test_a_check_that_could_not_run_the_artifact_is_a_failed_run(
