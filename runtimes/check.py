@@ -94,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = PASSED if report.passed else FAILED
     per = "session" if report.sessions else "live shape"
     print(f"[check] verdict per {per}:\n{report.table()}")
+    if ran_on := report.ran_on():
+        print(f"[check] ran on {ran_on}")
     if report.generation:
         print(f"[check] {report.generation.line()}")
     if report.passed:

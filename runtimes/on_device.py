@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from runtimes.cpu_arithmetic import describe_cpu
+
 
 class OnDevice:
     """A callable artifact on a torch device. On CUDA, `execute` returns once the kernels are
@@ -19,9 +21,12 @@ class OnDevice:
         self._artifact = artifact
         self._device = device
         self.clock = "cuda" if device.type == "cuda" else "cpu"
-        # What ran it, as `Loaded.target` says: a GPU by its name (tags target.cuda_device).
+        # What ran it, as `Loaded.target` says: a GPU by its name (tags target.cuda_device), a
+        # CPU by its name and half-precision features.
         self.target = (
-            {"cuda_device": torch.cuda.get_device_name(device)} if self.clock == "cuda" else {}
+            {"cuda_device": torch.cuda.get_device_name(device)}
+            if self.clock == "cuda"
+            else describe_cpu()
         )
 
     def upload(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

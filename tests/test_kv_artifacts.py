@@ -6,6 +6,7 @@ the fault."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +17,12 @@ from torch.export import ExportedProgram
 from transformers.cache_utils import StaticLayer
 
 from exporter import backends, export, models
-from exporter.backends import Artifact
+from exporter.artifact import Artifact
 from exporter.localize import Replay, localize
 from exporter.models.causal_lm import StaticCacheLM
 from exporter.validate import Tolerances, judge, sessions
 from runtimes.verdict.sessions import calls_up_to
+from tests.conftest import run_command
 from tests.test_audit import composed
 from tests.test_kv_cache import SMALL
 from tests.test_localize import _Module, job_in_process
@@ -220,3 +222,45 @@ def test_a_lowering_that_makes_the_cache_forget_is_named_by_the_job(
     )
     assert "self.keys.index_copy_(" in found["source"]
     assert "The first node that diverges is index_copy_" in str(record.error)
+
+
+def test_a_given_pte_bounded_below_the_plan_is_judged_within_its_bounds(tmp_path: Path) -> None:
+    """A program exported for 8 tokens (its input's bound and its cache's 8 slots), judged by a
+    job whose bounds go to 16: the live shapes and the model's cache take the artifact's bounds,
+    where a longer call would stop its runtime."""
+    job = composed("backend=executorch", *SMALL[:-1], "dynamic.seq.max=8")
+    bundle = models.build(job.model, job.dynamic, backends.configured(job).llm_ops)
+    exported = export.run(bundle, job.export.on_failure, tmp_path / "short")
+    short = backends.configured(job).lower(exported, tmp_path / "short").path
+    run_dir = tmp_path / "judged"
+    completed = run_command(
+        tmp_path,
+        f"hydra.run.dir={run_dir}",
+        "backend=executorch",
+        *SMALL,
+        f"artifact={short}",
+        "validate.localize=off",
+        "benchmark=off",
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    assert "holds seq up to 8 (its inputs' sizes): the live shapes go to 8, not " in output
+    report = json.loads((run_dir / "report.json").read_text())
+    # Every session fills the artifact's 8 slots: its prefill's, then one per call after it
+    # (steps_run counts the prefill's call too).
+    assert [s["prefill"] + s["steps_run"] - 1 for s in report["sessions"]] == [8] * 3
+    assert max(step["shape"]["seq"] for step in report["executions"]) <= 8
+    # Live shapes the artifact cannot hold at all: refused, naming the bound to change.
+    refused = run_command(
+        tmp_path,
+        f"hydra.run.dir={tmp_path / 'refused'}",
+        "backend=executorch",
+        *SMALL,
+        "dynamic.seq.min=9",
+        f"artifact={short}",
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"artifact={short}: its inputs hold seq up to 8, below dynamic.seq.min=9" in (
+        refused.stdout + refused.stderr
+    )
+    assert "Traceback" not in refused.stdout + refused.stderr

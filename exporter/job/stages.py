@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import socket
+import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ from exporter.backends import ConfiguredBackend
 from exporter.cache import keys as cache_keys
 from exporter.cache.store import Cache, key_of, link_files
 from exporter.config import hf_checkpoint
-from exporter.errors import QualityFailed, RuntimeFailed, ValidationFailed
+from exporter.errors import ConfigError, QualityFailed, RuntimeFailed, ValidationFailed
 from exporter.export import Exported
 from exporter.files import write_json
 from exporter.job.produced import CacheUse, Produced
@@ -213,6 +214,8 @@ class _Sequence:
         memory.spare_survivors()
         with self.timed("model"):
             bundle = models.build(job.model, job.dynamic, self.backend.llm_ops)
+            if job.artifact:
+                bundle = _bounded_by_artifact(bundle, job, self.backend.llm_ops)
             produced.weight_bytes = models.weight_bytes(bundle.module)
             model_material = cache_keys.model(job)
         if job.quantize.enabled:
@@ -327,6 +330,8 @@ class _Sequence:
         produced.report = _validated(lowered.artifact, expected, measuring)
         report_file = self.record.run_dir / REPORT_FILE
         log.info("[validate] report (%s):\n%s", report_file, produced.report.table())
+        if ran_on := produced.report.ran_on():
+            log.info("[validate] ran on %s", ran_on)
         log.info("[validate] %s", "\n".join(produced.weights_audit.lines()))
         if measuring is not None:
             on_text, llama_cpp = None, None
@@ -381,6 +386,45 @@ class _Sequence:
             self.record.run_dir / REPORT_FILE,
             produced.benchmark.table(),
         )
+
+
+def _bounded_by_artifact(
+    bundle: models.ModelBundle, job: config.JobConfig, llm_ops: config.LlmOps
+) -> models.ModelBundle:
+    """A given ExecuTorch program's inputs hold what its export bounded them to, which its
+    runtime refuses to exceed: the live shapes go no further, and the job says so. A model with
+    a KV cache is built again at those bounds, since its cache's slots follow them."""
+    artifact = Path(job.artifact)
+    if artifact.suffix != ".pte":
+        return bundle
+    from runtimes.loaders.executorch import input_sizes
+
+    try:
+        sizes = input_sizes(artifact)
+    except (ValueError, IndexError, struct.error):
+        return bundle  # not a program ExecuTorch reads: the runtime stage says why
+    if len(sizes) != len(bundle.input_names):
+        raise ConfigError(
+            f"artifact={artifact}: its program takes {len(sizes)} inputs, and "
+            f"model={bundle.name} takes {len(bundle.input_names)} "
+            f"({', '.join(bundle.input_names)}): it was not exported from this model."
+        )
+    bounded = bundle.bounded_by(str(artifact), sizes)
+    lowered = {held.name: held.max for dim, held in zip(bundle.dims, bounded.dims, strict=True)
+               if held.max < dim.max}  # fmt: skip
+    for name, top in lowered.items():
+        log.info(
+            "[model] artifact=%s holds %s up to %d (its inputs' sizes): the live shapes go to "
+            "%d, not dynamic.%s.max=%d",
+            artifact, name, top, top, name, job.dynamic[name].max,
+        )  # fmt: skip
+    if not lowered or bundle.decoder is None:
+        return bounded
+    dynamic = {
+        name: dataclasses.replace(bounds, max=lowered.get(name, bounds.max))
+        for name, bounds in job.dynamic.items()
+    }
+    return models.build(job.model, dynamic, llm_ops)
 
 
 def _export(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exporter.config import DimMode, ModelDtype
+from exporter.errors import ConfigError
 
 if TYPE_CHECKING:
     from exporter.models.gguf_codes import FileQuantization
@@ -104,6 +105,27 @@ class ModelBundle:
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
+
+    def bounded_by(self, artifact: str, sizes: Sequence[tuple[int, ...] | None]) -> ModelBundle:
+        """The bundle with each dynamic dim's max lowered to what a given artifact's inputs hold
+        (`sizes`, its inputs' largest sizes in order), so that no live shape asks it for more;
+        ConfigError where it holds less than a dim's min."""
+        dims = []
+        for dim in self.dims:
+            held = [
+                (sizes[self.input_names.index(name)] or ())[axis]
+                for name, axis in dim.axes
+                if len(sizes[self.input_names.index(name)] or ()) > axis
+            ]
+            top = min(held, default=dim.max)
+            if top < dim.min:
+                raise ConfigError(
+                    f"artifact={artifact}: its inputs hold {dim.name} up to {top}, below "
+                    f"dynamic.{dim.name}.min={dim.min}; validate it with dynamic.{dim.name}.min "
+                    f"and max at most {top}, or export it again with the job's bounds."
+                )
+            dims.append(replace(dim, max=min(dim.max, top)))
+        return replace(self, dims=tuple(dims))
 
     def runner_metadata(self) -> RunnerMetadata:
         """What an LLM runner reads of the program (a model with a KV cache; else nothing)."""

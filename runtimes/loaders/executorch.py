@@ -25,6 +25,7 @@ import torch
 from executorch.runtime import Runtime, Verification
 from flatbuffers import number_types as N
 
+from runtimes.cpu_arithmetic import describe_cpu, xnnpack_float16_sums
 from runtimes.formats.flatbuffer_table import Table
 
 # The distributions it loads artifacts with, whose versions a check's report records.
@@ -59,6 +60,10 @@ class ExecutorchProgram:
         self._method = program.load_method(method)
         # The program owns the method's memory; it must live as long as the method.
         self._program = program
+        # What it runs on: a float16 program's verdict depends on how this CPU sums float16.
+        self.target = describe_cpu()
+        if _FLOAT16 in _tensor_dtypes(self._method.metadata):
+            self.target["float16_sums"] = xnnpack_float16_sums()
 
     # The CPU is the target: inputs are where they run, and `execute` returns when it is done.
     clock = "cpu"
@@ -75,6 +80,25 @@ class ExecutorchProgram:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self.download(self.execute(self.upload(inputs)))
+
+
+# ExecuTorch's ScalarType code for float16, as its method metadata gives a tensor's dtype.
+_FLOAT16 = 5
+
+
+def _tensor_dtypes(meta: object) -> set[int]:
+    """The dtype codes of a method's tensor inputs and outputs (other values have none)."""
+    dtypes = set()
+    for count, tensor_meta in (
+        (meta.num_inputs(), meta.input_tensor_meta),
+        (meta.num_outputs(), meta.output_tensor_meta),
+    ):
+        for index in range(count):
+            try:
+                dtypes.add(tensor_meta(index).dtype())
+            except RuntimeError:
+                continue
+    return dtypes
 
 
 def set_threads(count: int) -> None:
@@ -130,6 +154,26 @@ def operator_calls(path: Path) -> Counter[str]:
                 if kind == _KERNEL_CALL and call is not None:
                     calls[names[int(call.scalar(0, N.Int32Flags))]] += 1
     return calls
+
+
+def input_sizes(path: Path, method: str = "forward") -> list[tuple[int, ...] | None]:
+    """Each input of `method` as the program declares it: a tensor's largest sizes (a dynamic
+    dim's upper bound, which the runtime refuses to exceed), None for any other value. Reads the
+    program's flatbuffer only."""
+    with path.open("rb") as file:
+        program = _program_table(file)
+    # ExecutionPlan: name (0), values (2), inputs (3); EValue: its union (0); Tensor: sizes (2).
+    for plan in program.tables(1):
+        if plan.string(0) != method:
+            continue
+        values = plan.tables(2)
+        sizes: list[tuple[int, ...] | None] = []
+        for index in plan.vector(3, N.Int32Flags):
+            kind, value = values[int(index)].union(0)
+            tensor = kind == _TENSOR and value is not None
+            sizes.append(tuple(int(n) for n in value.vector(2, N.Int32Flags)) if tensor else None)
+        return sizes
+    raise ValueError(f"{path.name} has no method {method!r}")
 
 
 def _program_table(file: BinaryIO) -> Table:

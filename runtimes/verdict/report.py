@@ -253,6 +253,22 @@ class Report:
         worst = max(measured, key=lambda result: result.stats["ratio"])
         return worst.stats["ratio"], label(worst.shape)
 
+    @property
+    def sums_float16_natively(self) -> bool:
+        """Whether the runtime was measured summing float16 products in float16 on its CPU
+        (runtimes/cpu_arithmetic.py)."""
+        return str(self.target.get("float16_sums", "")).startswith("float16")
+
+    def ran_on(self) -> str | None:
+        """The CPU the artifact ran on and how it computes half precision, in a line; None
+        where the runtime did not say (a GPU says its name in `target`)."""
+        if "cpu" not in self.target:
+            return None
+        line = f"{self.target['cpu']}, half-precision features: {self.target['cpu_features']}"
+        if "float16_sums" in self.target:
+            line += f"; float16 products summed in {self.target['float16_sums']}"
+        return line
+
     def failed_labels(self) -> list[str]:
         """The live shapes that failed, by label."""
         return [label(result.shape) for result in self.failures()]
@@ -309,6 +325,15 @@ class Report:
             )
             if self.predicts:
                 sentences.append(_predictions(differing))
+            if self.sums_float16_natively:
+                sentences.append(
+                    f"This CPU ({self.ran_on()}) sums float16 products in float16 in the "
+                    f"runtime's kernels, where eager PyTorch on a CPU sums them in float32: a "
+                    f"correct artifact is less accurate here than eager, and the verdict holds "
+                    f"for this arithmetic. On a CPU without float16 arithmetic it sums as eager "
+                    f"does; to accept this one's, raise validate.factor and validate.kl_factor "
+                    f"to what the figures above need."
+                )
         elif differing:
             failed = ", ".join(
                 f"{label(r.shape)} (max_abs {r.stats['max_abs']:.3g})" for r in differing
