@@ -19,7 +19,6 @@ import json
 import logging
 import shutil
 import socket
-import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,6 +52,7 @@ from runtimes import Loaded
 from runtimes import load as load_runtime
 from runtimes.files import PARTIAL_PREFIX, room_checked
 from runtimes.formats import bundle as bundles
+from runtimes.formats.pte_file import TensorValue, input_sizes
 from runtimes.verdict import goldens as stored_goldens
 from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.report import json_safe
@@ -397,12 +397,11 @@ def _bounded_by_artifact(
     artifact = Path(job.artifact)
     if artifact.suffix != ".pte":
         return bundle
-    from runtimes.loaders.executorch import input_sizes
-
     try:
-        sizes = input_sizes(artifact)
-    except (ValueError, IndexError, struct.error):
+        inputs = input_sizes(artifact)
+    except ValueError:
         return bundle  # not a program ExecuTorch reads: the runtime stage says why
+    sizes = [value.sizes if isinstance(value, TensorValue) else None for value in inputs]
     if len(sizes) != len(bundle.input_names):
         raise ConfigError(
             f"artifact={artifact}: its program takes {len(sizes)} inputs, and "

@@ -307,19 +307,43 @@ class _Constants:
         return data[:nbytes]
 
 
-def _extended_header(data: bytes) -> tuple[int, int]:
-    """The program's size and the segments' base offset (0 when the file has no segments)."""
-    if len(data) < 8:
-        raise ValueError(f"{len(data)} bytes is too short for a program")
+def input_sizes(path: str | os.PathLike[str], method: str = "forward") -> list[EValue]:
+    """Each input of `method` as the program declares it: a TensorValue's sizes are a dynamic
+    dim's upper bound, which the runtime refuses to exceed. Reads the program's flatbuffer only,
+    not the constants and delegate data read_pte reads (a 1B model's .pte is gigabytes, its
+    program kilobytes); a malformed one raises ValueError naming the file."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            head = f.read(40)
+            program_size, _ = _extended_header(head, os.fstat(f.fileno()).st_size)
+            f.seek(0)
+            program = Table.root(f.read(program_size), _IDENTIFIER)
+        for plan in program.tables(1):
+            if plan.string(0) == method:
+                values = plan.tables(2)
+                # Inputs hold no constant data: their values need no constants to read.
+                return [_value(values[i], i, _Constants()) for i in _ints(plan, 3, N.Int32Flags)]
+    except (ValueError, IndexError, struct.error) as e:
+        raise ValueError(f"{name}: not a readable ExecuTorch program: {e}") from e
+    raise ValueError(f"{name}: the program has no method {method!r}")
+
+
+def _extended_header(data: bytes, size: int | None = None) -> tuple[int, int]:
+    """The program's size and the segments' base offset (0 when the file has no segments), from
+    the file's start `data` and the file's `size` (the length of `data` where it is all)."""
+    size = len(data) if size is None else size
+    if size < 8:
+        raise ValueError(f"{size} bytes is too short for a program")
     if data[8:12] != _EXTENDED_HEADER_MAGIC:
-        return len(data), 0
+        return size, 0
     if len(data) < 32:
         raise ValueError("extended header is truncated")
     length, program_size, segment_base = struct.unpack_from("<IQQ", data, 12)
     segment_data_size = struct.unpack_from("<Q", data, 32)[0] if length >= 32 else 0
     end = max(program_size, segment_base + segment_data_size)
-    if end > len(data):
-        raise ValueError(f"its header says {end} bytes, the file has {len(data)} (truncated?)")
+    if end > size:
+        raise ValueError(f"its header says {end} bytes, the file has {size} (truncated?)")
     return program_size, segment_base
 
 

@@ -156,26 +156,6 @@ def operator_calls(path: Path) -> Counter[str]:
     return calls
 
 
-def input_sizes(path: Path, method: str = "forward") -> list[tuple[int, ...] | None]:
-    """Each input of `method` as the program declares it: a tensor's largest sizes (a dynamic
-    dim's upper bound, which the runtime refuses to exceed), None for any other value. Reads the
-    program's flatbuffer only."""
-    with path.open("rb") as file:
-        program = _program_table(file)
-    # ExecutionPlan: name (0), values (2), inputs (3); EValue: its union (0); Tensor: sizes (2).
-    for plan in program.tables(1):
-        if plan.string(0) != method:
-            continue
-        values = plan.tables(2)
-        sizes: list[tuple[int, ...] | None] = []
-        for index in plan.vector(3, N.Int32Flags):
-            kind, value = values[int(index)].union(0)
-            tensor = kind == _TENSOR and value is not None
-            sizes.append(tuple(int(n) for n in value.vector(2, N.Int32Flags)) if tensor else None)
-        return sizes
-    raise ValueError(f"{path.name} has no method {method!r}")
-
-
 def _program_table(file: BinaryIO) -> Table:
     """The program's flatbuffer root, read from the file's start."""
     program_size, _ = _extended_header(file.read(40))
