@@ -12,6 +12,9 @@ from exporter import backends, config, models
 from exporter.config import (
     DimBounds,
     DimMode,
+    FallbackConfig,
+    FallbackPolicy,
+    HfConfig,
     MlpConfig,
 )
 from exporter.errors import ConfigError
@@ -43,6 +46,8 @@ def test_tolerances_come_from_the_backend_unless_validate_overrides_them() -> No
         ("artifact=/no/such.pte", "artifact=/no/such.pte: no such file"),
         ("validate.factor=0.5", "validate.factor is 0.5; it must be 1 or more"),
         ("validate.floor=-1", "validate.floor is -1.0; it must be 0 or more"),
+        ("validate.kl_factor=0.5", "validate.kl_factor is 0.5; it must be 1 or more"),
+        ("validate.top1_slack=2", "validate.top1_slack is 2.0; it must be between 0 and 1"),
         ("benchmark.repeats=0", "benchmark.repeats is 0; it must be 1 or more"),
         ("benchmark.warmup=-1", "benchmark.warmup is -1; it must be 0 or more"),
         ("benchmark.seconds=0", "benchmark.seconds is 0.0; it must be more than 0"),
@@ -188,3 +193,14 @@ def test_an_aten_op_torch_does_not_declare_is_a_config_error_at_compose() -> Non
         config.to_job(composed("model=mlp", "fallback.ops=[aten.relu.Tensor]"))
     for op in ("aten.relu.default", "aten.add.out", "aten.sym_size.int"):
         assert config.to_job(composed("model=mlp", f"fallback.ops=[{op}]")).fallback.ops == [op]
+
+
+def test_building_a_schema_reads_no_file_and_composing_checks_the_files_a_job_names() -> None:
+    # OmegaConf builds the schemas whenever it converts a config, and code builds them directly.
+    assert HfConfig(name="hf", checkpoint="/no/such").checkpoint == "/no/such"
+    fallback = FallbackConfig(policy=FallbackPolicy.auto, ops=["aten.nonzeroo.default"])
+    assert fallback.ops == ["aten.nonzeroo.default"]
+    with pytest.raises(
+        ConfigError, match=re.escape("model.checkpoint=/no/such: no such directory")
+    ):
+        config.to_job(composed("model=hf", "model.checkpoint=/no/such"))

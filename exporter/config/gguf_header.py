@@ -1,6 +1,6 @@
 """The architecture a GGUF file declares (its `general.architecture` key), read while the job's
 config is composed, once the whole file is found to be what its header says: the gguf package's
-reader parses every key first, the tokenizer's vocabulary included (17 s for SmolLM2-135M's),
+reader parses every key first, the tokenizer's vocabulary of many thousand strings included,
 and a file it cannot read fails seconds into the job, with the reader's own words.
 
 The file is untrusted: every length and count it declares is checked against the bytes it has
