@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from runtimes import Loaded, load, native_log, packages, verdict
+from runtimes import Loaded, load, native_log, packages
 from runtimes.files import atomic_path
 from runtimes.formats.bundle import Bundle, BundleInvalid, read, versions
-from runtimes.verdict import sessions
+from runtimes.verdict import judging, sessions
+from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, Report, execution_line, json_safe
 from runtimes.verdict.shapes import LiveShape
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("[check] stopped by Ctrl-C; no report written", file=sys.stderr)
         return STOPPED
-    except (_LoadFailed, verdict.ArtifactFailed) as error:
+    except (_LoadFailed, ArtifactFailed) as error:
         print(f"[check] {error}", file=sys.stderr)
         payload = _check(bundle, device, started, RUNTIME_FAILED, str(error))
         return _written(report_path, payload) or RUNTIME_FAILED
@@ -128,7 +129,7 @@ def _run(
     """The bundle's plan run and judged: its executions, or its goldens' sessions in order on
     one instance."""
     if not goldens.sessions:
-        return verdict.run(
+        return judging.run(
             bundle.output_names,
             load_artifact,
             bundle.shapes,
@@ -139,7 +140,7 @@ def _run(
         )
 
     def judged(outputs: Sequence[torch.Tensor], shape: LiveShape) -> tuple:
-        return verdict.judge(bundle.output_names, outputs, shape, goldens, bundle.tolerances)
+        return judging.judge(bundle.output_names, outputs, shape, goldens, bundle.tolerances)
 
     return sessions.run(
         bundle.output_names, load_artifact, goldens, bundle.tolerances, judged, after_each

@@ -8,16 +8,9 @@ import math
 import pytest
 import torch
 
-from runtimes.verdict.compare import (
-    EagerError,
-    NextToken,
-    OutputStats,
-    Tolerances,
-    compare,
-    next_token,
-    reference_error,
-)
+from runtimes.verdict.compare import compare, next_token, reference_error
 from runtimes.verdict.report import Execution, Report, json_safe
+from runtimes.verdict.stats import EagerError, NextToken, OutputStats, Tolerances
 
 
 def test_identical_outputs_pass_with_zero_error() -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from exporter.models import DynamicDim
-from exporter.validate.plan import plan, steps
-from runtimes.verdict.shapes import label, run_order
+from exporter.validate.plan import plan
+from runtimes.verdict.shapes import label, run_order, steps
 
 SEQ = DynamicDim("seq", (("input_ids", 1),), 1, 128)
 BATCH = DynamicDim("batch", (("x", 0),), 1, 8)

@@ -18,15 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exporter.config import PROJECT_ROOT
 from exporter.errors import ConfigError, ExporterError
 from exporter.tracking import server as tracking_server
 from exporter.tracking.record import OUTCOMES
-
-if TYPE_CHECKING:
-    from runtimes.verdict.report import Report
+from runtimes.verdict.report import Report
 
 COMMAND = "track"
 USAGE = f"python -m exporter {COMMAND} report=PATH [mlflow.tracking_uri=URI]"
@@ -132,7 +130,7 @@ def attach(target: TargetReport, tracking_uri: str | None = None) -> Attached:
     if not uri:
         raise ConfigError(f"{where} names no MLflow store; give mlflow.tracking_uri=URI")
     report = _job_report(target)
-    # Imported once needed: mlflow (and torch, for the report's steps) take seconds to load.
+    # Imported once needed: mlflow takes seconds to load.
     from exporter.tracking import runs as tracking
 
     store, job_run = tracking.open_job_run(uri, run_id)
@@ -178,9 +176,6 @@ def _job_report(target: TargetReport) -> Report | None:
     not load or run the artifact (the check's exit code 5), which has none."""
     if "executions" not in target.payload:
         return None
-    # Imported once needed: the verdict package loads torch.
-    from runtimes.verdict.report import Report
-
     try:
         return Report.from_json(target.payload)
     except (KeyError, TypeError, ValueError) as error:

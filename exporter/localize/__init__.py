@@ -59,8 +59,9 @@ from exporter.localize.node_values import Buffers, node_values
 from exporter.process import interrupts
 from exporter.process.quiet_logs import quieted
 from runtimes import Loaded
-from runtimes.verdict.compare import Tolerances, compare, reference_error
+from runtimes.verdict.compare import compare, reference_error
 from runtimes.verdict.shapes import LiveShape, label
+from runtimes.verdict.stats import Tolerances
 
 log = logging.getLogger(__name__)
 

@@ -47,11 +47,10 @@ from exporter.process.memory import GB
 from exporter.tracking import server as tracking_server
 from exporter.tracking.comparison import JobSummary
 from exporter.tracking.record import OUTCOMES, JobRecord, now_ms
-from exporter.validate.plan import steps
 from runtimes.files import PARTIAL_PREFIX, NoRoom, error_chain, no_room_error, written_path
 from runtimes.formats.bundle import MANIFEST
 from runtimes.verdict.report import Report
-from runtimes.verdict.shapes import label
+from runtimes.verdict.shapes import label, steps
 
 if TYPE_CHECKING:
     # Imports torch, which a job's tracking does not need.

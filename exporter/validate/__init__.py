@@ -17,12 +17,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from exporter.errors import RuntimeFailed
 from exporter.process import interrupts, memory
-from runtimes import Loaded, verdict
-from runtimes.verdict import Report, Tolerances, judge
+from runtimes import Loaded
+from runtimes.verdict import judging
 from runtimes.verdict import sessions as session_verdict
+from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.goldens import Goldens
-from runtimes.verdict.report import Execution, Generation, execution_line
+from runtimes.verdict.judging import judge
+from runtimes.verdict.report import Execution, Generation, Report, execution_line
 from runtimes.verdict.shapes import LiveShape, executions, label
+from runtimes.verdict.stats import Tolerances
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ def run(
         return load()
 
     with _progress(len(order), "run") as after_each:
-        return verdict.run(
+        return judging.run(
             output_names, load_alone, shapes, order, goldens, tolerances, after_each, observe
         )
 
@@ -78,7 +81,7 @@ def _progress(total: int, unit: str) -> Iterator[Callable[[int, Execution], None
     with logging_redirect_tqdm(), bar:
         try:
             yield after_each
-        except verdict.ArtifactFailed as error:
+        except ArtifactFailed as error:
             raise RuntimeFailed(str(error)) from error
 
 

@@ -19,9 +19,10 @@ from exporter.models import ModelBundle
 from exporter.quantize.verdict import Measuring
 from exporter.validate import quantized_layers, text
 from exporter.validate.oracle import float64_weights
-from runtimes.verdict.compare import EagerError, reference_error
+from runtimes.verdict.compare import reference_error
 from runtimes.verdict.goldens import Goldens, Inputs, stored
 from runtimes.verdict.shapes import LiveShape, label
+from runtimes.verdict.stats import EagerError
 
 log = logging.getLogger(__name__)
 

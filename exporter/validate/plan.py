@@ -1,5 +1,5 @@
 """The live-shape plan: which sizes of each dynamic dim validation runs (the order it runs them
-in is runtimes/verdict/shapes.py's), and the step MLflow files each under."""
+in, and the step MLflow files each under, are runtimes/verdict/shapes.py's)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,3 @@ def _sizes(
     planned = [dim.min, dim.min + 1, middle, dim.max - 1, dim.max, *extra]
     planned += [rng.randint(dim.min, dim.max) for _ in range(random_count)]
     return [min(max(size, dim.min), dim.max) for size in planned]
-
-
-def steps(shapes: Sequence[LiveShape]) -> list[int]:
-    """MLflow's step of each shape, unique within the plan. With one dynamic dim, its live size,
-    so the UI plots error against size; with several, no one size tells shapes apart (batch=8
-    with seq=1 or seq=64), so the shape's position in the plan, which `label` names."""
-    if all(len(shape) == 1 for shape in shapes):
-        return [next(iter(shape.values())) for shape in shapes]
-    return list(range(len(shapes)))

@@ -27,9 +27,10 @@ from exporter.validate import quantized_layers, text
 from exporter.validate.goldens import moved_to, wider
 from exporter.validate.oracle import float64_weights
 from runtimes.verdict import sessions
-from runtimes.verdict.compare import EagerError, reference_error
+from runtimes.verdict.compare import reference_error
 from runtimes.verdict.goldens import Goldens, stored
 from runtimes.verdict.shapes import label
+from runtimes.verdict.stats import EagerError
 
 log = logging.getLogger(__name__)
 

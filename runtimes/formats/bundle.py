@@ -26,8 +26,8 @@ from typing import Any
 
 from runtimes.files import atomic_path, room_checked
 from runtimes.verdict import goldens as stored_goldens
-from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.shapes import LiveShape
+from runtimes.verdict.stats import Tolerances
 
 MANIFEST = "manifest.json"
 # The manifest's layout; a reader refuses another, naming both. 2: executions name their

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from runtimes.verdict.stats import EagerError
 
-from runtimes.verdict.compare import EagerError
+# torch is imported by the functions that keep, write and read tensors: importing this module
+# needs none, for runtimes/formats/bundle.py, whose manifest the exporter's command process reads
+# without torch (exporter/tracking/runs.py).
+if TYPE_CHECKING:
+    import torch
 
 GOLDENS_FILE = "goldens.pt"
 
-Inputs = tuple[torch.Tensor, ...]
-
-# The dtypes whose own rounding (2^-8 or 2^-11 of a value) is so much larger than float32's
-# (2^-24) that an expected output of theirs is kept in float32: the oracle's value rounded to
-# float32 moves an error by at most 1/65536 (bfloat16) or 1/8192 (float16) of one rounding of
-# the model's dtype, and halves the goldens of a bfloat16 1B Llama (272 MB, not 544 MB).
-# Other outputs keep float64: rounding to float32 would be half a unit of the very precision
-# a float32 artifact is judged at.
-_NARROWED = (torch.bfloat16, torch.float16)
+Inputs = tuple["torch.Tensor", ...]
 
 
 @dataclass(frozen=True)
@@ -63,10 +60,21 @@ class Goldens:
 
 def stored(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The oracle's output as goldens keep it, for an output whose eager dtype is `dtype`."""
-    return expected.to(torch.float32) if dtype in _NARROWED else expected
+    import torch
+
+    # The dtypes whose own rounding (2^-8 or 2^-11 of a value) is so much larger than float32's
+    # (2^-24) that an expected output of theirs is kept in float32: the oracle's value rounded
+    # to float32 moves an error by at most 1/65536 (bfloat16) or 1/8192 (float16) of one
+    # rounding of the model's dtype, and halves the goldens of a bfloat16 1B Llama (272 MB, not
+    # 544 MB). Other outputs keep float64: rounding to float32 would be half a unit of the very
+    # precision a float32 artifact is judged at.
+    narrowed = (torch.bfloat16, torch.float16)
+    return expected.to(torch.float32) if dtype in narrowed else expected
 
 
 def save(goldens: Goldens, folder: Path) -> Path:
+    import torch
+
     # Plain containers: torch.load(weights_only=True) refuses classes it does not know.
     state = vars(goldens) | {
         "reference": {
@@ -81,6 +89,8 @@ def save(goldens: Goldens, folder: Path) -> Path:
 def load(folder: Path) -> Goldens:
     """The goldens `save` wrote, their tensors mapped from the file: a 1B Llama's float64
     logits (0.38 GB) take memory only once read, not through the stages that come before."""
+    import torch
+
     state = torch.load(folder / GOLDENS_FILE, weights_only=True, mmap=True)
     state["reference"] = {
         key: [EagerError(**error) for error in errors] for key, errors in state["reference"].items()

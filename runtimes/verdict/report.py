@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from runtimes.verdict.compare import OutputStats, Tolerances
 from runtimes.verdict.shapes import LiveShape, label
+from runtimes.verdict.stats import OutputStats, Tolerances
 
 # The statistics that are worse when larger, in report order: the artifact's errors against
 # the float64 oracle, eager's at the model's dtype (ref_*), their ratio, and what would pass.

@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from runtimes import Loaded
-from runtimes.verdict.compare import Tolerances
 from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.goldens import Goldens
 from runtimes.verdict.report import Execution, Generation, Report, Session
 from runtimes.verdict.shapes import SAME_INSTANCE, LiveShape, label
+from runtimes.verdict.stats import Tolerances
 
 
 class CacheRefused(ValueError):
