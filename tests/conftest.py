@@ -25,7 +25,6 @@ from exporter import backends, config
 from exporter.command import schemas
 from exporter.errors import ValidationFailed
 from exporter.job import stages
-from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
 
 # Tests compose configs with Hydra's compose API, as the command does after storing the schemas.
@@ -105,13 +104,12 @@ def job_in_process(
     )
     cache = ("cache=false",) if cache_dir is None else ("cache=true", f"cache_dir={cache_dir}")
     job = config.to_job(composed(*overrides, *unbounded, "mlflow=off", "benchmark=off", *cache))
-    record, produced = JobRecord(run_dir=run_dir), Produced()
+    record = JobRecord(run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        stages.run(job, backends.configured(job), produced, record, lambda *_: None)
+        stages.run(job, backends.configured(job), record, lambda *_: None)
     except ValidationFailed as error:
         record.error = error
-    produced.into(record)
     return record, json.loads((run_dir / stages.REPORT_FILE).read_text())
 
 

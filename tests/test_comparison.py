@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,36 @@ def test_the_verdict_line_says_how_the_job_ended_and_its_figures() -> None:
     assert killed.outcome() == "killed (exit 143) during the validate stage: stopped by SIGTERM"
     lost = JobSummary("0-mlp-eager", {}, "no result", None)
     assert lost.verdict().startswith("no result: ")
+
+
+def test_a_figure_declared_with_its_mlflow_name_is_logged_under_it_where_measured() -> None:
+    summary = JobSummary(
+        job="0-mlp-eager",
+        choices={"backend": "eager"},
+        status="failed",
+        exit_code=1,
+        failed_stage="validate",
+        weight_bytes=2_500_000_000,
+        weights_mismatched=0,
+        export_failures=["data_dependent", "guard"],
+        draft=True,
+        cache_hits={"export": True, "lower": False},
+        target={"cpu": "AMD EPYC"},
+    )
+    # Zero is a measurement; None, an empty list and False are not.
+    assert summary.metrics() == {"weight_gb": 2.5, "weights_mismatched": 0}
+    assert summary.tags() == {
+        "failed_stage": "validate",
+        "export.failure_kinds": "data_dependent,guard",
+        "export.draft": "true",
+        "cache_hit.export": "true",
+        "cache_hit.lower": "false",
+        "target.cpu": "AMD EPYC",
+    }
+
+
+def test_no_two_figures_of_a_summary_share_an_mlflow_name() -> None:
+    names = [
+        f.metadata.get("metric") or f.metadata.get("tag") for f in fields(JobSummary) if f.metadata
+    ]
+    assert len(names) == len(set(names)) >= 20

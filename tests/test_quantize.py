@@ -26,7 +26,6 @@ from exporter.artifact.partition import DELEGATED
 from exporter.backends.eager import Eager
 from exporter.errors import ConfigError, QualityFailed, ValidationFailed
 from exporter.job import stages
-from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
 from exporter.validate import quantized_layers
 from exporter.validate.oracle import float64_weights
@@ -177,10 +176,10 @@ def job_with(
     )
     # Set, not replaced: replacing would run the job's checks again, and refuse it.
     job.backend = backend.config
-    record, produced = JobRecord(run_dir=run_dir), Produced()
+    record = JobRecord(run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        stages.run(job, backend, produced, record, lambda *_: None)
+        stages.run(job, backend, record, lambda *_: None)
     except ValidationFailed as error:
         return error, json.loads((run_dir / stages.REPORT_FILE).read_text())
     return None, json.loads((run_dir / stages.REPORT_FILE).read_text())

@@ -135,7 +135,7 @@ def test_auto_meets_the_budget_at_fewer_bytes_than_the_best_uniform_recipe(
     assert found.summary().startswith(f"plan: {planned_bytes / 1e6:.1f} MB of weights, int")
     # A second job takes the plan from the cache: nothing measured again.
     record, _ = job_in_process(tmp_path / "again", *overrides, cache_dir=cache)
-    assert record.cache_hits["plan"] is True
+    assert record.cache.hits["plan"] is True
 
 
 def test_a_gguf_files_codes_go_through_aotinductor_and_are_judged_there(

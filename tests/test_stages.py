@@ -15,7 +15,6 @@ from pathlib import Path
 
 from exporter import backends, config
 from exporter.job import stages
-from exporter.job.produced import Produced
 from exporter.tracking.record import JobRecord
 from tests.conftest import PROJECT_ROOT, CliResult, run_exporter
 from tests.test_cli import assert_user_error
@@ -129,21 +128,21 @@ def test_a_job_with_mlflow_off_never_imports_mlflow(tmp_path: Path) -> None:
 
 def stages_in_process(
     run_dir: Path, notify: Callable[[str, str], None], *overrides: str
-) -> tuple[Produced, BaseException | None]:
-    """Runs one job's stages in this process with the cache in `run_dir`'s parent; what they
-    produced, and what ended them early (None where nothing did)."""
+) -> tuple[JobRecord, BaseException | None]:
+    """Runs one job's stages in this process with the cache in `run_dir`'s parent; the record
+    of what they record, and what ended them early (None where nothing did)."""
     job = config.to_job(
         composed(
             "model=mlp", "mlflow=off", "bundle=off", f"cache_dir={run_dir.parent}/cache", *overrides
         )
     )
     run_dir.mkdir(parents=True)
-    produced = Produced()
+    record = JobRecord(run_dir=run_dir)
     try:
-        stages.run(job, backends.configured(job), produced, JobRecord(run_dir=run_dir), notify)
+        stages.run(job, backends.configured(job), record, notify)
     except (Exception, KeyboardInterrupt) as ended:
-        return produced, ended
-    return produced, None
+        return record, ended
+    return record, None
 
 
 def test_lowering_takes_the_program_the_export_stage_returned_not_the_run_dirs_file(
@@ -156,12 +155,10 @@ def test_lowering_takes_the_program_the_export_stage_returned_not_the_run_dirs_f
             # What the export stage linked into the run dir: no later stage reads it back.
             (run_dir / "program.pt2").unlink()
 
-    produced, ended = stages_in_process(
-        run_dir, notify, "backend=executorch", "benchmark.repeats=2"
-    )
+    record, ended = stages_in_process(run_dir, notify, "backend=executorch", "benchmark.repeats=2")
     assert ended is None
-    assert produced.passed and produced.benchmark is not None
-    assert len(produced.benchmark.shapes) == len(produced.report.shapes) == 7
+    assert record.passed and record.benchmark is not None
+    assert len(record.benchmark.shapes) == len(record.report.shapes) == 7
 
 
 def test_a_job_stopped_after_validation_keeps_the_verdict_in_report_json(tmp_path: Path) -> None:
@@ -171,9 +168,9 @@ def test_a_job_stopped_after_validation_keeps_the_verdict_in_report_json(tmp_pat
         if (kind, value) == ("stage", "benchmark"):
             raise KeyboardInterrupt
 
-    produced, ended = stages_in_process(run_dir, notify, "backend=eager")
+    record, ended = stages_in_process(run_dir, notify, "backend=eager")
     assert isinstance(ended, KeyboardInterrupt)
-    assert produced.passed and produced.benchmark is None
+    assert record.passed and record.benchmark is None
     written = json.loads((run_dir / stages.REPORT_FILE).read_text())
     assert written["passed"] is True and "benchmark" not in written
-    assert len(written["executions"]) == len(produced.report.executions)
+    assert len(written["executions"]) == len(record.report.executions)

@@ -6,9 +6,9 @@ the backend's toolchain can judge; then the startup stage opens the job's MLflow
 the stages' libraries, and the stages run (exporter/job/stages.py: which of bundle, localize,
 repair and benchmark run depends on the job and its verdict). A stage's failure becomes the
 ExporterError of that stage, whose exit code the job returns; the run dir keeps every file
-written before it. Whatever ends the job, its record is assembled from what the stages returned
-(exporter/job/produced.py) and concluded: summary, plots, the MLflow run closed with its status,
-and the lines the job ends with (exporter/job/verdict.py).
+written before it. Whatever ends the job, its record, which keeps what the stages returned, is
+concluded: summary, plots, the MLflow run closed with its status, and the lines the job ends
+with (exporter/job/verdict.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from exporter import backends, config
 from exporter.errors import ExporterError, disk_full
 from exporter.job.ending import conclude, keep_traceback, open_run, start_run
-from exporter.job.produced import Produced
 from exporter.job.timing import Notify, stage
 from exporter.process import progress, slurm
 from exporter.tracking.record import JobContext, JobRecord
@@ -35,7 +34,6 @@ def run(
     failed, 128 + the signal that stopped it). `params`: the MLflow run's params, the composed
     config flattened (the typed job has no form for what a user wrote)."""
     record = JobRecord(run_dir=context.run_dir, started_ms=context.started_ms)
-    produced = Produced()
     store = run_id = None
     try:
         with stage(record, "config", notify):
@@ -59,7 +57,7 @@ def run(
             progress.doing("loading torch and the stages' libraries")
             from exporter.job import stages
 
-        stages.run(job, backend, produced, record, notify)
+        stages.run(job, backend, record, notify)
     except Exception as raised:
         # A full disk between stages (report.json once the last stage ran) ends the job as one
         # in a stage does.
@@ -80,6 +78,4 @@ def run(
             record.stage,
             record.run_dir,
         )
-    # The record is assembled from what the stages returned, however the job ended.
-    produced.into(record)
     return conclude(record, context, store, run_id)

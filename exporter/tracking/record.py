@@ -1,5 +1,8 @@
 """What one job produced and how it ended: the record that its summary, its MLflow run and the
-sweep's comparison are made from. Data only: how a job ends is exporter/job/ending.py's."""
+sweep's comparison are made from. The job's stages (exporter/job/stages.py) keep each value in it
+as it comes, so a job that fails or is stopped at a stage still ends with what the stages before
+it made. Data only, no torch: the job's frame holds one before the stages are imported. How a job
+ends is exporter/job/ending.py's."""
 
 from __future__ import annotations
 
@@ -46,6 +49,16 @@ class JobContext:
 
 
 @dataclass
+class CacheUse:
+    """Per cached stage (plan, export, goldens, lower): its cache key, noted before its work
+    starts, and whether its work came from the cache, noted once the cache answered (absent with
+    the cache off)."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    hits: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass
 class JobRecord:
     run_dir: Path
     started_ms: int = field(default_factory=now_ms)
@@ -85,15 +98,19 @@ class JobRecord:
     quantization: Quantization | None = None
     quality: Quality | None = None
     attribution: Attribution | None = None
-    # Per cached stage (export, goldens, lower): its cache key, and whether its work came from
-    # the cache.
-    cache_keys: dict[str, str] = field(default_factory=dict)
-    cache_hits: dict[str, bool] = field(default_factory=dict)
+    cache: CacheUse = field(default_factory=CacheUse)
     error: ExporterError | None = None
     # The signal that stopped the job (SIGINT, SIGTERM), if one did, and why it came where that
     # is known (Slurm's time limit).
     stopped_by: int | None = None
     stop_reason: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """Whether the artifact validated: its outputs within the rule and its constants the
+        model's."""
+        audit, report = self.weights_audit, self.report
+        return audit is not None and audit.passed and report is not None and report.passed
 
     @property
     def exit_code(self) -> int:

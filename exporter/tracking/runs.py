@@ -468,19 +468,7 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
         Metric(f"{stage}_peak_rss_gb", peak / GB, at, 0)
         for stage, peak in summary.peak_rss_bytes.items()
     ]
-    figures = {
-        "artifact_bytes": summary.artifact_bytes,
-        "delegated_fraction": summary.delegated_fraction,
-        "fallback_op_count": summary.fallback_op_count,
-        "peak_rss_gb": _gb(summary.job_peak_rss_bytes),
-        "weight_gb": _gb(summary.weight_bytes),
-        "peak_rss_over_weights": summary.peak_rss_over_weights,
-        "worst_speedup_vs_eager": summary.worst_speedup_vs_eager,
-        "weights_checked": summary.weights_checked,
-        "weights_mismatched": summary.weights_mismatched,
-        "weights_unseen": summary.weights_unseen,
-    }
-    metrics += [Metric(key, value, at, 0) for key, value in figures.items() if value is not None]
+    metrics += [Metric(key, value, at, 0) for key, value in summary.metrics().items()]
     if record.report:
         metrics += report_metrics(record.report, at)
     if record.quality and record.report:
@@ -611,10 +599,6 @@ def _session_metrics(report: Report, at: int) -> list[Metric]:
     return metrics
 
 
-def _gb(size: int | None) -> float | None:
-    return None if size is None else size / GB
-
-
 def _step_tags(report: Report | None) -> dict[str, str]:
     """With several dynamic dims a metric's step is the shape's position in the plan; these
     tags say which shape each step is (`step.3` = `batch=8,seq=1`). None for sessions, whose
@@ -626,33 +610,14 @@ def _step_tags(report: Report | None) -> dict[str, str]:
 
 
 def _tags(summary: JobSummary) -> dict[str, str]:
+    """The summary's tags (JobSummary.tags), with how the job ended, Hydra's choices, whether
+    any stage's work came from the cache, and the quality verdict in words."""
     tags = {"status": summary.status, "exit_code": str(summary.exit_code), **summary.choices}
+    tags |= summary.tags()
     if summary.cache_hits:
         tags["cache_hit"] = str(any(summary.cache_hits.values())).lower()
-        tags.update({f"cache_hit.{k}": str(hit).lower() for k, hit in summary.cache_hits.items()})
-    tags.update({f"cache_key.{kind}": key for kind, key in summary.cache_keys.items()})
-    tags.update({f"target.{key}": value for key, value in summary.target.items()})
-    if summary.export_failures:
-        tags["export.failure_kinds"] = ",".join(summary.export_failures)
-    if summary.draft:
-        # The program came from draft_export: valid for inputs that branch like the example.
-        tags["export.draft"] = "true"
-    if summary.peak_rss_scope:
-        tags["peak_rss_scope"] = summary.peak_rss_scope
-    tags.update({f"benchmark.{key}": value for key, value in summary.benchmark.items()})
-    if summary.diverged_at:
-        tags["diverged_at"] = summary.diverged_at
-    tags.update({f"repair.{key}": value for key, value in summary.repair.items()})
-    if summary.failed_stage:
-        tags["failed_stage"] = summary.failed_stage
-    if summary.failed_on:
-        tags["failed_on"] = summary.failed_on
     if summary.quality_passed is not None:
         tags["quality"] = "passed" if summary.quality_passed else "failed"
-    if summary.costliest_layers:
-        tags["quality.costliest_layers"] = ",".join(summary.costliest_layers)
-    if summary.quantization_plan:
-        tags["quantize.plan"] = summary.quantization_plan
     # The run's description in MLflow's UI, and a column of the runs view: the verdict, then
     # the whole error where the verdict shows only its first line.
     tags["mlflow.note.content"] = summary.verdict()

@@ -11,15 +11,28 @@ import signal
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from exporter.files import write_json
+from exporter.process.memory import GB
 from exporter.tracking.record import JobRecord
 
 SUMMARY_FILE = "summary.json"
 # What the sweep sees of a job: Hydra makes its folder and .hydra/ before the job runs.
 HYDRA_CONFIG = Path(".hydra") / "hydra.yaml"
+
+
+def metric(name: str, unit: float = 1) -> dict[str, Any]:
+    """A field's metadata: the job's MLflow run logs the figure as metric `name`, in `unit`s."""
+    return {"metric": name, "unit": unit}
+
+
+def tag(name: str) -> dict[str, Any]:
+    """A field's metadata: the job's MLflow run logs the finding, where there is one, as tag
+    `name` (a dict's items as tags `name.key`, a list's items joined by commas)."""
+    return {"tag": name}
 
 
 def group_choices(choices: Mapping[str, object]) -> dict[str, str]:
@@ -29,12 +42,16 @@ def group_choices(choices: Mapping[str, object]) -> dict[str, str]:
 
 @dataclass
 class JobSummary:
+    """A job's figures and findings. A field that the job's MLflow run logs says so, and under
+    which name, in its metadata (`metric`, `tag`): a figure added here with its name, and taken
+    from the record in `of`, is in summary.json and the run."""
+
     job: str
     choices: dict[str, str]
     # passed, failed, killed; "no result" for a job that never wrote its summary.
     status: str
     exit_code: int | None
-    failed_stage: str | None = None
+    failed_stage: str | None = field(default=None, metadata=tag("failed_stage"))
     error: str | None = None
     worst_max_abs_err: float | None = None
     worst_nrmse: float | None = None
@@ -48,7 +65,7 @@ class JobSummary:
     greedy: str | None = None
     # What failed validation: "fidelity" (the artifact against the model it was made from),
     # "quality" (a quantized artifact against the float model), or both.
-    failed_on: str | None = None
+    failed_on: str | None = field(default=None, metadata=tag("failed_on"))
     # A quantized model: the artifact's quality against the float model where the budget judges
     # it (on the quality text, else on the validation inputs: mean, p99 KL divergence in nats,
     # top-1 agreement, mean drop of the float top token's probability), the perplexity ratio on
@@ -56,7 +73,7 @@ class JobSummary:
     # quantization costs the most (quantize.attribution), worst first.
     quality_passed: bool | None = None
     # quantize=auto: the plan in a line (its layers and bytes by recipe).
-    quantization_plan: str | None = None
+    quantization_plan: str | None = field(default=None, metadata=tag("quantize.plan"))
     quality_kld_mean: float | None = None
     quality_kld_p99: float | None = None
     quality_top1: float | None = None
@@ -64,36 +81,41 @@ class JobSummary:
     quality_ppl_ratio: float | None = None
     # The float model's greedy tokens beside the artifact's, in a line (a KV-cache model).
     quality_greedy: str | None = None
-    costliest_layers: list[str] = field(default_factory=list)
+    costliest_layers: list[str] = field(
+        default_factory=list, metadata=tag("quality.costliest_layers")
+    )
     # Where the artifact first diverges (`node (op)`), "not reproduced" where lowering the
     # program again does not, "not localized" where the search could not say; None where no
     # search ran.
-    diverged_at: str | None = None
+    diverged_at: str | None = field(default=None, metadata=tag("diverged_at"))
     # validate.repair=auto at work: the override, the first artifact's verdict and the
     # repaired one's (logged as tags repair.*).
-    repair: dict[str, str] = field(default_factory=dict)
+    repair: dict[str, str] = field(default_factory=dict, metadata=tag("repair"))
     # The weights audit: how many parameters it checked, found changed and could not see.
-    weights_checked: int | None = None
-    weights_mismatched: int | None = None
-    weights_unseen: int | None = None
+    weights_checked: int | None = field(default=None, metadata=metric("weights_checked"))
+    weights_mismatched: int | None = field(default=None, metadata=metric("weights_mismatched"))
+    weights_unseen: int | None = field(default=None, metadata=metric("weights_unseen"))
     # The benchmark's median latency at the smallest and largest live shape, and the smallest
     # of eager's median over the artifact's (below 1: slower than eager somewhere).
     latency_at_min_ms: float | None = None
     latency_at_max_ms: float | None = None
-    worst_speedup_vs_eager: float | None = None
+    worst_speedup_vs_eager: float | None = field(
+        default=None, metadata=metric("worst_speedup_vs_eager")
+    )
     # A model with a KV cache: tokens per second of a decode step at the cache's last slot and
     # of the longest prefill.
     decode_tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
     # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
-    benchmark: dict[str, str] = field(default_factory=dict)
-    artifact_bytes: int | None = None
-    delegated_fraction: float | None = None
-    fallback_op_count: int | None = None
+    benchmark: dict[str, str] = field(default_factory=dict, metadata=tag("benchmark"))
+    artifact_bytes: int | None = field(default=None, metadata=metric("artifact_bytes"))
+    delegated_fraction: float | None = field(default=None, metadata=metric("delegated_fraction"))
+    fallback_op_count: int | None = field(default=None, metadata=metric("fallback_op_count"))
     # The kinds of problem draft_export found when torch.export failed, and whether the job
     # went on with draft_export's program (export.on_failure=draft).
-    export_failures: list[str] = field(default_factory=list)
-    draft: bool = False
+    export_failures: list[str] = field(default_factory=list, metadata=tag("export.failure_kinds"))
+    # The program came from draft_export: valid for inputs that branch like the example.
+    draft: bool = field(default=False, metadata=tag("export.draft"))
     # Wall seconds per stage that ran: config, startup, model, export, lower, goldens, validate.
     seconds: dict[str, float] = field(default_factory=dict)
     # Wall seconds from the job's start (its config composed) to its record's end.
@@ -101,15 +123,17 @@ class JobSummary:
     # Peak RSS of the job's worker per stage that ran and over the job, the model's weights, and
     # the job's peak over them (JobRecord says what each covers). Host memory only.
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
-    job_peak_rss_bytes: int | None = None
-    peak_rss_scope: str | None = None
-    weight_bytes: int | None = None
-    peak_rss_over_weights: float | None = None
+    job_peak_rss_bytes: int | None = field(default=None, metadata=metric("peak_rss_gb", GB))
+    peak_rss_scope: str | None = field(default=None, metadata=tag("peak_rss_scope"))
+    weight_bytes: int | None = field(default=None, metadata=metric("weight_gb", GB))
+    peak_rss_over_weights: float | None = field(
+        default=None, metadata=metric("peak_rss_over_weights")
+    )
     # Per cached stage: whether its work came from the cache, and the key of its entry.
-    cache_hits: dict[str, bool] = field(default_factory=dict)
-    cache_keys: dict[str, str] = field(default_factory=dict)
+    cache_hits: dict[str, bool] = field(default_factory=dict, metadata=tag("cache_hit"))
+    cache_keys: dict[str, str] = field(default_factory=dict, metadata=tag("cache_key"))
     # What the artifact ran on, where its runtime says (a wgpu adapter): logged as tags.
-    target: dict[str, str] = field(default_factory=dict)
+    target: dict[str, str] = field(default_factory=dict, metadata=tag("target"))
     # Per live shape, smallest first: its size per dynamic dim, the worst error, and where the
     # benchmark ran, the median latency with its 10th and 90th percentiles, eager's median and
     # the speedup over it (None where eager did not run).
@@ -135,8 +159,8 @@ class JobSummary:
             job_peak_rss_bytes=record.job_peak_rss_bytes,
             peak_rss_scope=record.peak_rss_scope,
             weight_bytes=record.weight_bytes,
-            cache_hits=dict(record.cache_hits),
-            cache_keys=dict(record.cache_keys),
+            cache_hits=dict(record.cache.hits),
+            cache_keys=dict(record.cache.keys),
         )
         # A stopped job's error says what stopped it.
         summary.error = str(record.error) if record.error else record.stop_reason
@@ -202,6 +226,29 @@ class JobSummary:
                 "together": str(record.benchmark.together).lower(),
             }
         return summary
+
+    def metrics(self) -> dict[str, float]:
+        """The figures declared with `metric`, by their MLflow names, where measured."""
+        return {
+            f.metadata["metric"]: value / f.metadata["unit"]
+            for f in fields(self)
+            if "metric" in f.metadata and (value := getattr(self, f.name)) is not None
+        }
+
+    def tags(self) -> dict[str, str]:
+        """The findings declared with `tag`, by their MLflow names, where there are any."""
+        found = {}
+        for f in fields(self):
+            name, value = f.metadata.get("tag"), getattr(self, f.name)
+            if name is None or not value:
+                continue
+            if isinstance(value, dict):
+                found |= {f"{name}.{key}": _tag_value(item) for key, item in value.items()}
+            elif isinstance(value, list):
+                found[name] = ",".join(value)
+            else:
+                found[name] = _tag_value(value)
+        return found
 
     def verdict(self) -> str:
         """How the job ended and its figures, in one line (its MLflow run's description):
@@ -293,6 +340,11 @@ class JobSummary:
         payload = json.loads((folder / SUMMARY_FILE).read_text())
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+def _tag_value(value: object) -> str:
+    # MLflow's own tags spell booleans in lower case.
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _take_quality(summary: JobSummary, record: JobRecord) -> None:
