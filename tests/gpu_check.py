@@ -9,12 +9,13 @@ user runs it, since CI has no GPU and a CUDA path can break unseen.
 Each case is one job (`python -m exporter ... backend.device=cuda mlflow=off`): it must exit 0,
 pass at every live shape, pass the weights audit with weights checked, and benchmark beside
 eager (with `model.kv_cache=static`, its sessions must also reach the cache's last slot, and
-where its greedy tokens part from eager's is shown); then the target's check (`python -m
-runtimes.check`) replays its bundle on cuda and must pass too. `--webgpu-bundle` replays a
-WebGPU bundle built on a CPU machine (ExecuTorch's WebGPU lowering needs the CPU machine's
-torch) on this machine's Vulkan GPU (`--device gpu`). The table it prints, and gpu_check.json
-in `--out`, are what a closing note quotes. Exit 0 when every case passed, 1 otherwise, 2 where
-this machine has no CUDA device.
+where its greedy tokens part from eager's is shown, and its slowest decode step over the floor
+of reading the artifact's bytes at the card's peak memory bandwidth); then the target's check
+(`python -m runtimes.check`) replays its bundle on cuda and must pass too. `--webgpu-bundle`
+replays a WebGPU bundle built on a CPU machine (ExecuTorch's WebGPU lowering needs the CPU
+machine's torch) on this machine's Vulkan GPU (`--device gpu`). The table it prints, and
+gpu_check.json in `--out`, are what a closing note quotes. Exit 0 when every case passed, 1
+otherwise, 2 where this machine has no CUDA device.
 
 The GPU machine's torch 2.11 does not export transformers' grouped-query attention (a guard in
 its SDPA integration), so the Llamas run with as many KV heads as heads.
@@ -52,6 +53,9 @@ class Case:
     worst_max_abs: float | None = None
     audit: str = ""
     speedup: str = ""
+    # A KV-cache case: its slowest decode step over the floor of reading the artifact's bytes
+    # at the card's peak memory bandwidth, and that floor.
+    floor: str = ""
     greedy: str = ""
     check_exit: int | None = None
     target: str = ""
@@ -136,6 +140,13 @@ def read_results(case: Case, run_dir: Path) -> None:
         )
     else:
         case.problems.append("no benchmark beside eager")
+    if case.kv_cache != "none":
+        floor = report.get("benchmark", {}).get("floor")
+        if floor is None:
+            case.problems.append("no memory floor for the decode steps")
+        else:
+            worst = summary["worst_decode_floor_ratio"]
+            case.floor = f"{worst:.2f}x of {floor['ms']:.3g} ms"
     case.target = summary["target"].get("cuda_device") or summary["target"].get("adapter", "")
 
 
@@ -208,6 +219,7 @@ def table(cases: list[Case]) -> str:
         "worst max_abs",
         "audit",
         "speedup vs eager",
+        "decode over floor",
         "greedy vs eager",
         "bundle check",
         "seconds",
@@ -222,6 +234,7 @@ def table(cases: list[Case]) -> str:
             "" if c.worst_max_abs is None else f"{c.worst_max_abs:.3g}",
             c.audit,
             c.speedup,
+            c.floor,
             c.greedy,
             "" if c.check_exit is None else str(c.check_exit),
             f"{c.seconds:.0f}",

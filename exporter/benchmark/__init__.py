@@ -10,7 +10,9 @@ down slows both; where holding both would take the job past the peak memory it r
 
 A model with a KV cache is timed as it generates instead (exporter/benchmark/decoding.py):
 prefill at several lengths and a decode step at several cache fills, each with tokens per
-second, the live shapes (its validation's steps) untimed.
+second, the live shapes (its validation's steps) untimed; on a GPU, each decode step's time over
+the floor of reading the artifact's bytes at the card's memory bandwidth
+(exporter/benchmark/memory_floor.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
+from exporter.benchmark import memory_floor
 from exporter.benchmark.decoding import CallLatency, decode_fills, time_decode, time_prefill
+from exporter.benchmark.memory_floor import MemoryFloor
 from exporter.benchmark.timing import Timing, measure, speedup
 from exporter.config import BenchmarkConfig
 from exporter.process import interrupts, memory
@@ -76,11 +80,19 @@ class Benchmark:
     decode: tuple[CallLatency, ...] = ()
     # Whether the artifact and eager were loaded at once, taking turns, or one after the other.
     together: bool = True
+    # A KV-cache artifact on a GPU: the time to read its bytes at the card's peak bandwidth.
+    floor: MemoryFloor | None = None
 
     def worst_speedup_vs_eager(self) -> float | None:
         timed = [*self.shapes, *self.prefill, *self.decode]
         speedups = [t.speedup_vs_eager for t in timed if t.speedup_vs_eager is not None]
         return min(speedups) if speedups else None
+
+    def floor_ratios(self) -> list[float]:
+        """Each decode step's time over the memory floor, by cache fill (none off a GPU)."""
+        if self.floor is None:
+            return []
+        return [self.floor.ratio(call.artifact.median_ms) for call in self.decode]
 
     def table(self) -> str:
         if self.prefill or self.decode:
@@ -105,24 +117,30 @@ class Benchmark:
 
     def _calls_table(self) -> str:
         headers = ["call", "median_ms", "p90_ms", "runs", "tokens/s", "eager_ms", "eager_tokens/s"]
+        headers.append("speedup_vs_eager")
+        floor = self.floor
+        if floor is not None:
+            headers.append(f"over the floor ({floor.ms:.3g} ms)")
         rows = []
         for kind, calls in (("prefill", self.prefill), ("decode", self.decode)):
             for call in calls:
                 timing, eager = call.artifact, call.eager
                 where = f"seq={call.tokens}" if kind == "prefill" else f"pos={call.position}"
-                rows.append(
-                    [
-                        f"{kind} {where}",
-                        f"{timing.median_ms:.3f}",
-                        f"{timing.p90_ms:.3f}",
-                        len(timing.samples_ms),
-                        f"{call.tokens_per_s:.1f}",
-                        f"{eager.median_ms:.3f}" if eager else "",
-                        f"{call.eager_tokens_per_s:.1f}" if eager else "",
-                        _speedup(call.speedup_vs_eager),
-                    ]
-                )
-        return tabulate(rows, headers=[*headers, "speedup_vs_eager"], disable_numparse=True)
+                row = [
+                    f"{kind} {where}",
+                    f"{timing.median_ms:.3f}",
+                    f"{timing.p90_ms:.3f}",
+                    len(timing.samples_ms),
+                    f"{call.tokens_per_s:.1f}",
+                    f"{eager.median_ms:.3f}" if eager else "",
+                    f"{call.eager_tokens_per_s:.1f}" if eager else "",
+                    _speedup(call.speedup_vs_eager),
+                ]
+                if floor is not None:
+                    # A prefill computes more than it reads: the floor is a decode step's.
+                    row.append(f"{floor.ratio(timing.median_ms):.2f}x" if kind == "decode" else "")
+                rows.append(row)
+        return tabulate(rows, headers=headers, disable_numparse=True)
 
     def to_json(self) -> dict[str, object]:
         payload: dict[str, object] = {
@@ -142,7 +160,14 @@ class Benchmark:
         }
         if self.prefill or self.decode:
             payload["prefill"] = [call.to_json() for call in self.prefill]
-            payload["decode"] = [call.to_json() for call in self.decode]
+            payload["decode"] = [
+                {**call.to_json(), "floor_ratio": self.floor.ratio(call.artifact.median_ms)}
+                if self.floor
+                else call.to_json()
+                for call in self.decode
+            ]
+        if self.floor is not None:
+            payload["floor"] = self.floor.to_json()
         return payload
 
 
@@ -237,8 +262,15 @@ def run_sessions(
     timings = _timed(artifact, eager, threads, at_once, time_all)
     timed = [_call(*call, timing) for call, timing in zip(calls, timings, strict=True)]
     prefill, decode = timed[: len(lengths)], timed[len(lengths) :]
+    floor = memory_floor.on(artifact.device, artifact.file_bytes)
     return Benchmark(
-        threads, eager.device if eager else None, (), tuple(prefill), tuple(decode), at_once
+        threads,
+        eager.device if eager else None,
+        (),
+        tuple(prefill),
+        tuple(decode),
+        at_once,
+        floor,
     )
 
 

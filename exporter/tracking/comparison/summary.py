@@ -106,6 +106,11 @@ class JobSummary:
     # of the longest prefill.
     decode_tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    # On a GPU: the slowest decode step's time over the floor of reading the artifact's bytes at
+    # the card's peak memory bandwidth (1: as fast as the memory allows).
+    worst_decode_floor_ratio: float | None = field(
+        default=None, metadata=metric("worst_decode_floor_ratio")
+    )
     # How the benchmark timed: threads, the artifact's clock, eager's device (logged as tags).
     benchmark: dict[str, str] = field(default_factory=dict, metadata=tag("benchmark"))
     artifact_bytes: int | None = field(default=None, metadata=metric("artifact_bytes"))
@@ -219,6 +224,7 @@ class JobSummary:
             if record.benchmark.prefill:
                 summary.prefill_tokens_per_s = record.benchmark.prefill[-1].tokens_per_s
             summary.worst_speedup_vs_eager = record.benchmark.worst_speedup_vs_eager()
+            summary.worst_decode_floor_ratio = max(record.benchmark.floor_ratios(), default=None)
             summary.benchmark = {
                 "threads": str(record.benchmark.threads),
                 "clock": (timed or calls)[0].artifact.clock,
@@ -293,7 +299,8 @@ class JobSummary:
 
     def figures(self) -> list[str]:
         """The worst error ratio, the speedup range over eager and, with a KV cache, decode
-        tokens/s at the last slot and the worst speedup, where they were measured."""
+        tokens/s at the last slot, the slowest decode step over the memory floor and the worst
+        speedup, where they were measured."""
         figures = []
         if self.worst_error_ratio is not None:
             figures.append(
@@ -312,6 +319,10 @@ class JobSummary:
             figures.append(f"speedup over eager {speedups[0]:.3g}x..{speedups[1]:.3g}x")
         if self.decode_tokens_per_s is not None:
             figures.append(f"decode {self.decode_tokens_per_s:.0f} tokens/s at the last slot")
+            if self.worst_decode_floor_ratio is not None:
+                figures.append(
+                    f"decode at worst {self.worst_decode_floor_ratio:.2f}x the memory floor"
+                )
             if self.worst_speedup_vs_eager is not None:
                 figures.append(
                     f"speedup over eager at worst {self.worst_speedup_vs_eager:.3g}x "
