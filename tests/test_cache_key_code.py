@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import transformers
 
 from tests.conftest import PROJECT_ROOT
+from tests.test_hf_encoder import BERT
 
 ONE_LAYER = ("model=llama", "model.num_hidden_layers=1")
 
@@ -29,6 +32,22 @@ ONE_LAYER = ("model=llama", "model.num_hidden_layers=1")
     ids=["executorch", "kv_cache", "8da4w", "webgpu", "moe", "aoti"],
 )
 def test_every_source_a_cached_stage_imports_is_in_its_key(overrides: tuple[str, ...]) -> None:
+    assert_keys_hold_their_sources(*overrides)
+
+
+def test_an_encoder_checkpoints_model_key_holds_its_builder(tmp_path: Path) -> None:
+    # model=hf dispatches to exporter/models/hf_encoder.py for a BERT: its key must hold it.
+    transformers.BertForMaskedLM(transformers.BertConfig(**BERT)).save_pretrained(tmp_path)
+    assert_keys_hold_their_sources(
+        "model=hf",
+        "dynamic=hf_encoder",
+        "dynamic.seq.max=64",
+        f"model.checkpoint={tmp_path}",
+        "backend=eager",
+    )
+
+
+def assert_keys_hold_their_sources(*overrides: str) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "tests.key_coverage", *overrides],
         cwd=PROJECT_ROOT,

@@ -223,9 +223,11 @@ def test_weights_that_lack_a_tensor_are_refused_not_drawn_at_random(checkpoints,
         models.build(hf(tmp_path), SEQ)
 
 
-def test_an_encoder_checkpoint_exits_2_saying_it_has_no_causal_lm_head(
+def test_an_encoder_with_another_tasks_head_exits_2_saying_it_has_no_causal_lm_head(
     tmp_path: Path, exporter_cli: Callable[..., CliResult]
 ) -> None:
+    # An encoder model=hf takes with its masked-LM head or headless (tests/test_hf_encoder.py),
+    # and not with a classifier's.
     bert = transformers.BertConfig(
         hidden_size=32,
         num_hidden_layers=1,
@@ -233,9 +235,13 @@ def test_an_encoder_checkpoint_exits_2_saying_it_has_no_causal_lm_head(
         intermediate_size=64,
         vocab_size=256,
     )
-    transformers.BertModel(bert).save_pretrained(tmp_path / "bert")
+    transformers.BertForSequenceClassification(bert).save_pretrained(tmp_path / "bert")
     result = exporter_cli("model=hf", f"model.checkpoint={tmp_path / 'bert'}", "mlflow=off")
-    assert_user_error(result, 2, "model_type 'bert' (saved as BertModel) has no causal-LM head")
+    assert_user_error(
+        result,
+        2,
+        "model_type 'bert' (saved as BertForSequenceClassification) has no causal-LM head",
+    )
 
 
 def test_a_checkpoint_that_needs_remote_code_exits_2_saying_it_is_refused(
@@ -295,17 +301,24 @@ def test_a_checkpoints_config_json_is_refused_before_torch_loads(
     checkpoint.mkdir()
     if config_json is not None:
         (checkpoint / "config.json").write_text(config_json)
-    overrides = ["model=hf", f"model.checkpoint={checkpoint}", f"hydra.run.dir={tmp_path}/run"]
+    output = refused_before_torch_loads(tmp_path, "model=hf", f"model.checkpoint={checkpoint}")
+    assert f"model.checkpoint={checkpoint}: " in output
+    assert message in output
+
+
+def refused_before_torch_loads(tmp_path: Path, *overrides: str) -> str:
+    """The output of a job that exits 2 at compose: neither the command's process nor a job's
+    worker (which needs a run dir) loaded torch, and no MLflow store was made."""
+    overrides = (*overrides, f"hydra.run.dir={tmp_path}/run")
     command = [sys.executable, "-c", WATCHING_IMPORTS, *command_line(tmp_path, *overrides)[3:]]
     completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 2, output
-    assert f"model.checkpoint={checkpoint}: " in output
-    assert message in output
-    # Neither this process nor a job's worker (which needs a run dir) loaded torch.
+    assert "Traceback" not in output
     assert "torch imported: False" in output
     assert not (tmp_path / "run").exists()
     assert not (tmp_path / "mlflow.db").exists()
+    return output
 
 
 # The architecture whose static-cache job runs by default: GPT-2, with its learned positions and

@@ -10,7 +10,8 @@ weights (pytorch_model.bin) may import nothing that torch.load(weights_only=True
 its opcodes say: a truncated, corrupt or hostile file is refused in a line, not seconds into the
 job by a loader's traceback or by torch's advice to unpickle it with weights_only=False.
 
-The model types transformers implements, those of them AutoModelForCausalLM loads, and the GGUF
+The model types transformers implements, the task each checkpoint's architecture holds (a causal
+LM, an encoder-only text model with its masked-LM head or headless: HfTask) and the GGUF
 architectures it reads are taken from transformers' own tables (models/auto/auto_mappings.py,
 models/auto/modeling_auto.py, integrations/ggml.py) as the data they are, without importing it.
 Where a table cannot be read (another layout of transformers), its check is left to the model
@@ -29,7 +30,9 @@ import struct
 import zipfile
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
 from functools import cache
 from math import prod
 from pathlib import Path
@@ -89,6 +92,14 @@ _TABLES = {
     "configs": (("models", "auto", "auto_mappings.py"), "CONFIG_MAPPING_NAMES"),
     # The model types AutoModelForCausalLM loads, each with its class.
     "causal_lms": (("models", "auto", "modeling_auto.py"), "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    # The model types AutoModelForMaskedLM loads, those AutoModel loads headless, and the
+    # encoder-decoders (AutoModelForSeq2SeqLM), each with its class or classes.
+    "masked_lms": (("models", "auto", "modeling_auto.py"), "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "headless": (("models", "auto", "modeling_auto.py"), "MODEL_MAPPING_NAMES"),
+    "encoder_decoders": (
+        ("models", "auto", "modeling_auto.py"),
+        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    ),
     # The GGUF architectures transformers reads, keyed by its model type ("general" and
     # "tokenizer" are sections of every file, not architectures).
     "gguf": (("integrations", "ggml.py"), "GGUF_CONFIG_MAPPING"),
@@ -102,6 +113,79 @@ _GGUF_RENAMES = {
     "gpt-oss": "gpt_oss",
     "minimax-m2": "minimax_m2",
 }
+
+
+class HfTask(Enum):
+    """What a checkpoint's architecture computes, which model=hf exports: a causal LM's logits
+    (`causal_lm`), an encoder-only text model's masked-LM logits (`masked_lm`) or its last
+    hidden state (`encoder`, saved headless)."""
+
+    causal_lm = "causal_lm"
+    masked_lm = "masked_lm"
+    encoder = "encoder"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A checkpoint's task and its model type, as its config says."""
+
+    task: HfTask
+    model_type: str
+
+    def causal_only(self, setting: str, checkpoint: object) -> ConfigError:
+        """The refusal of `setting`, which only a causal LM takes, for this encoder."""
+        return ConfigError(
+            f"{setting}: model.checkpoint={checkpoint} is an encoder-only text model "
+            f"(model_type {self.model_type!r}, task {self.task.value}); {setting} is a causal "
+            "LM's alone."
+        )
+
+
+# Names of transformers' classes by model type (one name or a tuple of them), as its tables hold
+# them: {"bert": "BertForMaskedLM", "funnel": ("FunnelModel", "FunnelBaseModel"), ...}.
+ClassNames = Mapping[str, str | tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class TaskTables:
+    """transformers' tables that say a checkpoint's task: read as text at compose (_table),
+    imported from transformers by the model stage."""
+
+    causal_lms: ClassNames
+    masked_lms: ClassNames
+    headless: ClassNames
+    encoder_decoders: ClassNames
+
+
+def task_of(directory: Path, model_type: object, saved_as: list[str], tables: TaskTables) -> HfTask:
+    """The task of a checkpoint of `model_type` saved as the classes `saved_as`; ConfigError
+    where model=hf takes none of them."""
+    causal_lms = tables.causal_lms
+    # AutoModelForCausalLM maps some encoders too (bert -> BertLMHeadModel); the architecture the
+    # checkpoint was saved from says whether its weights hold a causal-LM head, or whether one
+    # would be drawn at random.
+    if model_type in causal_lms and (
+        not saved_as or set(_names(causal_lms.values())).intersection(saved_as)
+    ):
+        return HfTask.causal_lm
+    # The masked-LM table holds encoder-decoders too (bart -> BartForConditionalGeneration),
+    # whose inputs and outputs are a decoder's as well.
+    if (
+        isinstance(model_type, str)
+        and model_type in tables.masked_lms
+        and model_type not in tables.encoder_decoders
+    ):
+        if set(_names([tables.masked_lms[model_type]])).intersection(saved_as):
+            return HfTask.masked_lm
+        if set(_names([tables.headless.get(model_type, ())])).intersection(saved_as):
+            return HfTask.encoder
+    raise ConfigError(no_causal_lm_head(directory, model_type, saved_as))
+
+
+def _names(entries: Iterable[str | tuple[str, ...]]) -> Iterator[str]:
+    """Every class name of table entries, each one name or a tuple of them."""
+    for entry in entries:
+        yield from (entry,) if isinstance(entry, str) else entry
 
 
 def gguf_file(checkpoint: Path) -> Path | None:
@@ -120,14 +204,15 @@ def gguf_file(checkpoint: Path) -> Path | None:
     return found[0] if found else None
 
 
-def check(checkpoint: Path) -> None:
-    """Refuses the checkpoint unless it is a causal LM that transformers itself implements
-    (model=hf runs no code shipped with a checkpoint): a save_pretrained() directory, or a GGUF
-    file of an architecture transformers reads."""
+def check(checkpoint: Path) -> Architecture | None:
+    """Refuses the checkpoint unless it is a causal LM or an encoder-only text model that
+    transformers itself implements (model=hf runs no code shipped with a checkpoint): a
+    save_pretrained() directory, or a GGUF file of an architecture transformers reads (causal
+    LMs alone). Its architecture; None where transformers' tables cannot be read as text, and
+    the model stage says."""
     gguf = gguf_file(checkpoint)
     if gguf is not None:
-        _check_gguf(gguf)
-        return
+        return _check_gguf(gguf)
     directory = checkpoint
     config_file = directory / CONFIG_FILE
     if not config_file.is_file():
@@ -147,15 +232,16 @@ def check(checkpoint: Path) -> None:
             f"model.checkpoint={directory}: config.json holds a {type(raw).__name__}, not the "
             "object of a model's config."
         )
-    _check_model_type(directory, raw)
+    architecture = _check_model_type(directory, raw)
     for weights in weight_files(directory):
         if weights.suffix == ".safetensors":
             _check_safetensors(directory, weights)
         else:
             _check_pickle(directory, weights)
+    return architecture
 
 
-def _check_model_type(directory: Path, raw: dict) -> None:
+def _check_model_type(directory: Path, raw: dict) -> Architecture | None:
     model_type = raw.get("model_type")
     configs, causal_lms = _table("configs"), _table("causal_lms")
     # Read from the file rather than left to AutoConfig, whose answer for these is an offer to
@@ -173,19 +259,14 @@ def _check_model_type(directory: Path, raw: dict) -> None:
             "refuses remote code (trust_remote_code=False). Use a checkpoint of an "
             "architecture transformers ships."
         )
-    if causal_lms is None:
-        return
-    # AutoModelForCausalLM maps some encoders too (bert -> BertLMHeadModel); the architecture the
-    # checkpoint was saved from says whether its weights hold a causal-LM head, or whether one
-    # would be drawn at random.
+    tables = [_table(name) for name in ("causal_lms", "masked_lms", "headless", "encoder_decoders")]
+    if None in tables:
+        return None
     saved_as = raw.get("architectures") or []
-    if model_type not in causal_lms or (
-        saved_as and not set(causal_lms.values()).intersection(saved_as)
-    ):
-        raise ConfigError(no_causal_lm_head(directory, model_type, saved_as))
+    return Architecture(task_of(directory, model_type, saved_as, TaskTables(*tables)), model_type)
 
 
-def _check_gguf(path: Path) -> None:
+def _check_gguf(path: Path) -> Architecture | None:
     if path.suffix != GGUF_SUFFIX:
         raise ConfigError(
             f"model.checkpoint={path}: a file that is not a {GGUF_SUFFIX}; model.checkpoint is "
@@ -201,16 +282,22 @@ def _check_gguf(path: Path) -> None:
             f"{importlib.metadata.version('transformers')} loads from GGUF files; it loads "
             f"{', '.join(known)}."
         )
-    if causal_lms is not None and model_type not in causal_lms:
+    if causal_lms is None:
+        return None
+    # transformers reads causal LMs alone from GGUF files.
+    if model_type not in causal_lms:
         raise ConfigError(no_causal_lm_head(path, model_type, []))
+    return Architecture(HfTask.causal_lm, model_type)
 
 
 def no_causal_lm_head(directory: Path, model_type: object, saved_as: list[str]) -> str:
     architecture = f" (saved as {', '.join(saved_as)})" if saved_as else ""
     return (
         f"model.checkpoint={directory}: model_type {model_type!r}{architecture} has no "
-        "causal-LM head (an encoder-only, encoder-decoder or headless model); model=hf exports "
-        "causal LMs, the checkpoints AutoModelForCausalLM loads."
+        "causal-LM head and is no encoder-only text model (an encoder-decoder, a headless "
+        "decoder, another task's head, or another modality); model=hf exports causal LMs "
+        "(AutoModelForCausalLM) and encoder-only text models, saved with their masked-LM head "
+        "(AutoModelForMaskedLM) or headless (AutoModel)."
     )
 
 

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from exporter.config import aten_ops, hf_checkpoint
 from exporter.config.backend import not_an_op
+from exporter.config.hf_checkpoint import Architecture, HfTask
 from exporter.config.job import JobConfig
+from exporter.config.model import HfConfig, KvCache
+from exporter.config.quantize import QuantScheme
 from exporter.errors import ConfigError
 
 
@@ -25,7 +28,9 @@ def checked_inputs(job: JobConfig) -> JobConfig:
     package it asks for is installed; else ConfigError."""
     checkpoint = getattr(job.model, "checkpoint", None)
     if checkpoint is not None:
-        _check_checkpoint(checkpoint)
+        architecture = _check_checkpoint(checkpoint)
+        if architecture is not None and architecture.task is not HfTask.causal_lm:
+            _check_encoder_job(job, checkpoint, architecture)
     for op in job.fallback.ops:
         _check_declared(op)
     eval_text = job.quantize.eval_text
@@ -41,10 +46,38 @@ def checked_inputs(job: JobConfig) -> JobConfig:
     return job
 
 
-def _check_checkpoint(checkpoint: str) -> None:
+def _check_checkpoint(checkpoint: str) -> Architecture | None:
     if not Path(checkpoint).exists():
         raise ConfigError(f"model.checkpoint={checkpoint}: no such directory or file.")
-    hf_checkpoint.check(Path(checkpoint))
+    return hf_checkpoint.check(Path(checkpoint))
+
+
+def _check_encoder_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
+    """An encoder-only checkpoint is model=hf's, with dims batch and seq (dynamic=hf_encoder),
+    and none of what a causal LM's generation takes: refused here, where the model stage would
+    build a model without them and a later stage fail for want of them."""
+    if not isinstance(job.model, HfConfig):
+        raise ConfigError(
+            f"model.checkpoint={checkpoint}: an encoder-only text model (model_type "
+            f"{architecture.model_type!r}), and model={job.model.name} loads causal LMs; use "
+            f"model=hf dynamic=hf_encoder model.checkpoint={checkpoint}."
+        )
+    if set(job.dynamic) != {"batch", "seq"}:
+        raise ConfigError(
+            f"dynamic: model.checkpoint={checkpoint} is an encoder-only text model (model_type "
+            f"{architecture.model_type!r}), whose dims are batch and seq, and dynamic bounds "
+            f"{', '.join(sorted(job.dynamic)) or 'none'}: choose dynamic=hf_encoder."
+        )
+    causal_only = (
+        ("validate.prompt", job.validate.prompt is not None),
+        ("model.kv_cache=static", job.model.kv_cache is KvCache.static),
+        ("quantize=auto", job.quantize.scheme is QuantScheme("auto")),
+        ("quantize.eval_text", job.quantize.eval_text is not None),
+        ("quantize.llama_cpp", job.quantize.llama_cpp),
+    )
+    for setting, chosen in causal_only:
+        if chosen:
+            raise architecture.causal_only(setting, checkpoint)
 
 
 def _check_declared(op: str) -> None:

@@ -1,19 +1,25 @@
-"""Any local Hugging Face causal-LM checkpoint, through transformers' own classes: token ids
-[1, seq] -> logits [1, seq, vocab]. A save_pretrained() directory or a GGUF file, whose weights
-transformers dequantizes into the float model. Local files only, never remote code."""
+"""Any local Hugging Face causal-LM or encoder-only text checkpoint, through transformers' own
+classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab] (exporter/models/causal_lm.py),
+an encoder's token ids and attention mask [batch, seq] -> masked-LM logits or its last hidden state
+(exporter/models/hf_encoder.py), as the checkpoint's architecture says. A save_pretrained()
+directory or a GGUF file (causal LMs alone), whose weights transformers dequantizes into the
+float model. Local files only, never remote code."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
     AutoTokenizer,
     GgufConfig,
     PretrainedConfig,
@@ -23,28 +29,64 @@ from transformers import (
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_MAPPING,
+    MODEL_MAPPING_NAMES,
 )
 
-from exporter.config import HfConfig, hf_checkpoint
+from exporter.config import HfConfig, KvCache, hf_checkpoint
+from exporter.config.hf_checkpoint import HfTask
 from exporter.errors import ConfigError
 from exporter.models import gguf_codes
 from exporter.models.bundle import ModelDeclaration, torch_dtype
 from exporter.models.causal_lm import cache_slots, declare_causal_lm
+from exporter.models.hf_encoder import declare_encoder
+
+# transformers' tables of the classes that say a checkpoint's task, as hf_checkpoint reads them
+# as text when the job is composed.
+_TASK_TABLES = hf_checkpoint.TaskTables(
+    causal_lms=MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    masked_lms=MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    headless=MODEL_MAPPING_NAMES,
+    encoder_decoders=MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+)
+# The Auto class that loads each task's weights, and its mapping of config classes to models.
+_LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
+    HfTask.causal_lm: (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING),
+    HfTask.masked_lm: (AutoModelForMaskedLM, MODEL_FOR_MASKED_LM_MAPPING),
+    HfTask.encoder: (AutoModel, MODEL_MAPPING),
+}
 
 
 def declare(cfg: HfConfig) -> ModelDeclaration:
     checkpoint = Path(cfg.checkpoint)
     config = read_config(checkpoint)
-    model = load(checkpoint, config, torch_dtype(cfg.dtype))
+    found = task_of(checkpoint, config)
+    model = load(checkpoint, config, torch_dtype(cfg.dtype), found)
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if found is not HfTask.causal_lm:
+        # Refused at compose too (exporter/config/inputs.py), but not for a schema built
+        # without it, which would otherwise export an encoder that ignores the setting.
+        if cfg.kv_cache is KvCache.static:
+            architecture = hf_checkpoint.Architecture(found, config.model_type)
+            raise architecture.causal_only("model.kv_cache=static", checkpoint)
+        return declare_encoder(model, found, max_positions)
     declaration = declare_causal_lm(
-        model,
-        getattr(config, "max_position_embeddings", None),
-        cache_slots(cfg),
-        functools.partial(load_tokenizer, checkpoint),
+        model, max_positions, cache_slots(cfg), functools.partial(load_tokenizer, checkpoint)
     )
     return with_file_quantization(declaration, checkpoint, model)
+
+
+def task_of(checkpoint: Path, config: PretrainedConfig) -> HfTask:
+    """What the checkpoint's architecture computes, by transformers' own tables; ConfigError
+    where model=hf takes none of it."""
+    return hf_checkpoint.task_of(
+        checkpoint, config.model_type, config.architectures or [], _TASK_TABLES
+    )
 
 
 def with_file_quantization(
@@ -61,7 +103,8 @@ def with_file_quantization(
 
 
 def read_config(checkpoint: Path) -> PretrainedConfig:
-    """The checkpoint's config, refused unless transformers itself implements it as a causal LM.
+    """The checkpoint's config, refused unless transformers itself implements it as a causal LM
+    or an encoder-only text model.
 
     Checked before any weights are read, so a wrong checkpoint fails in a second; its
     config.json or GGUF header was checked when the job was composed
@@ -78,13 +121,8 @@ def read_config(checkpoint: Path) -> PretrainedConfig:
         raise ConfigError(
             f"model.checkpoint={checkpoint}: cannot read its config: {error}"
         ) from error
-    # Again with transformers' own classes, where the composed check read their tables as text.
-    saved_as = config.architectures or []
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or (
-        saved_as and not causal.intersection(saved_as)
-    ):
-        raise ConfigError(hf_checkpoint.no_causal_lm_head(checkpoint, config.model_type, saved_as))
+    # Again with transformers' own tables, where the composed check read them as text.
+    task_of(checkpoint, config)
     return config
 
 
@@ -112,15 +150,23 @@ def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
         ) from error
 
 
-def load(checkpoint: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
-    """The checkpoint's weights in transformers' class for `config`, read at `dtype` directly: a
-    large model never exists in float32 first."""
+def load(
+    checkpoint: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    task: HfTask = HfTask.causal_lm,
+) -> PreTrainedModel:
+    """The checkpoint's weights in transformers' class for `config` and `task`, read at `dtype`
+    directly: a large model never exists in float32 first."""
     # Attention named rather than left to transformers' choice, so that nothing installed and
     # no attn_implementation in config.json (flash-attention kernels, fetched from the Hub and
     # not exportable) can change the program. sdpa is one op and exports with a dynamic seq for
     # every architecture tested; a class without it (Gemma2, Bloom, GPT-Neo) gets eager, the
-    # matmul-softmax attention every class has, which exports too.
-    supports_sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
+    # matmul-softmax attention every class has, which exports too. BERT's sdpa, with its padding
+    # mask, exports with dynamic batch and seq and lowers to XNNPACK (its NaN guard and the
+    # mask's ops stay on ExecuTorch's CPU kernels), so encoders take the same rule.
+    auto, classes = _LOADERS[task]
+    supports_sdpa = classes[type(config)]._supports_sdpa
     directory, gguf = _sources(checkpoint)
     if gguf:
         # Every weight dequantized into plain float layers: with the `kernels` package
@@ -128,7 +174,7 @@ def load(checkpoint: Path, config: PretrainedConfig, dtype: torch.dtype) -> PreT
         # matmul kernels come from the Hub and do not export.
         gguf["quantization_config"] = GgufConfig(dequantize=True)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = auto.from_pretrained(
             directory,
             config=config,
             local_files_only=True,
