@@ -118,28 +118,29 @@ class Benchmark:
     def _calls_table(self) -> str:
         headers = ["call", "median_ms", "p90_ms", "runs", "tokens/s", "eager_ms", "eager_tokens/s"]
         headers.append("speedup_vs_eager")
-        floor = self.floor
-        if floor is not None:
-            headers.append(f"over the floor ({floor.ms:.3g} ms)")
+        if self.floor is not None:
+            headers.append(f"over the floor ({self.floor.ms:.3g} ms)")
+        # A prefill computes more than it reads: the floor is a decode step's.
+        over_floor = [""] * len(self.prefill) + [f"{r:.2f}x" for r in self.floor_ratios()]
         rows = []
         for kind, calls in (("prefill", self.prefill), ("decode", self.decode)):
             for call in calls:
                 timing, eager = call.artifact, call.eager
                 where = f"seq={call.tokens}" if kind == "prefill" else f"pos={call.position}"
-                row = [
-                    f"{kind} {where}",
-                    f"{timing.median_ms:.3f}",
-                    f"{timing.p90_ms:.3f}",
-                    len(timing.samples_ms),
-                    f"{call.tokens_per_s:.1f}",
-                    f"{eager.median_ms:.3f}" if eager else "",
-                    f"{call.eager_tokens_per_s:.1f}" if eager else "",
-                    _speedup(call.speedup_vs_eager),
-                ]
-                if floor is not None:
-                    # A prefill computes more than it reads: the floor is a decode step's.
-                    row.append(f"{floor.ratio(timing.median_ms):.2f}x" if kind == "decode" else "")
-                rows.append(row)
+                rows.append(
+                    [
+                        f"{kind} {where}",
+                        f"{timing.median_ms:.3f}",
+                        f"{timing.p90_ms:.3f}",
+                        len(timing.samples_ms),
+                        f"{call.tokens_per_s:.1f}",
+                        f"{eager.median_ms:.3f}" if eager else "",
+                        f"{call.eager_tokens_per_s:.1f}" if eager else "",
+                        _speedup(call.speedup_vs_eager),
+                    ]
+                )
+        if self.floor is not None:
+            rows = [[*row, ratio] for row, ratio in zip(rows, over_floor, strict=True)]
         return tabulate(rows, headers=headers, disable_numparse=True)
 
     def to_json(self) -> dict[str, object]:
@@ -160,12 +161,9 @@ class Benchmark:
         }
         if self.prefill or self.decode:
             payload["prefill"] = [call.to_json() for call in self.prefill]
-            payload["decode"] = [
-                {**call.to_json(), "floor_ratio": self.floor.ratio(call.artifact.median_ms)}
-                if self.floor
-                else call.to_json()
-                for call in self.decode
-            ]
+            payload["decode"] = [call.to_json() for call in self.decode]
+            for step, ratio in zip(payload["decode"], self.floor_ratios(), strict=False):
+                step["floor_ratio"] = ratio
         if self.floor is not None:
             payload["floor"] = self.floor.to_json()
         return payload

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 
 class MemoryDescription(Protocol):
     """What CUDA reports of a card's memory (torch.cuda.get_device_properties)."""
@@ -58,8 +60,6 @@ def on(device: str, read_bytes: int) -> MemoryFloor | None:
     describe the card's memory."""
     if not device.startswith("cuda"):
         return None
-    import torch
-
     card = torch.cuda.get_device_properties(torch.device(device))
     if not getattr(card, "memory_clock_rate", 0) or not getattr(card, "memory_bus_width", 0):
         return None

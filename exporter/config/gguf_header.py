@@ -103,10 +103,7 @@ class _Reader:
         self.need(keys * _LEAST_KEY_BYTES, f"the keys ({keys})", least=True)
         found, alignment, names = None, _DEFAULT_ALIGNMENT, set()
         for number in range(1, keys + 1):
-            key = self.string(f"the name of key {number}")
-            if key in names:
-                raise _Corrupt(f"key {key} appears twice")
-            names.add(key)
+            key = self.unique_name(names, "key", number)
             (kind,) = self.unpack("<I", f"the type of key {key}")
             if key == ARCHITECTURE_KEY and kind == _STRING:
                 found = self.string(f"the value of {key}")
@@ -120,6 +117,14 @@ class _Reader:
                 f"model.checkpoint={self.path}: its GGUF header has no {ARCHITECTURE_KEY}."
             )
         return found
+
+    def unique_name(self, names: set[str], what: str, number: int) -> str:
+        """The name of the `number`th key or tensor, added to `names`, which must not hold it."""
+        name = self.string(f"the name of {what} {number}")
+        if name in names:
+            raise _Corrupt(f"{what} {name} appears twice")
+        names.add(name)
+        return name
 
     def alignment(self, kind: int) -> int:
         """The value of general.alignment: a power of two, as the gguf reader and llama.cpp
@@ -146,10 +151,7 @@ class _Reader:
         self.need(count * _LEAST_TENSOR_BYTES, f"the tensor entries ({count})", least=True)
         tensors, names = [], set()
         for number in range(1, count + 1):
-            name = self.string(f"the name of tensor {number}")
-            if name in names:
-                raise _Corrupt(f"tensor {name} appears twice")
-            names.add(name)
+            name = self.unique_name(names, "tensor", number)
             (dims,) = self.unpack("<I", f"the dimension count of tensor {name}")
             if dims > _MAX_DIMS:
                 raise _Corrupt(f"tensor {name} has {dims} dimensions; GGUF allows {_MAX_DIMS}")

@@ -62,8 +62,7 @@ _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
 
 def declare(cfg: HfConfig) -> ModelDeclaration:
     checkpoint = Path(cfg.checkpoint)
-    config = read_config(checkpoint)
-    found = task_of(checkpoint, config)
+    config, found = read_config(checkpoint)
     model = load(checkpoint, config, torch_dtype(cfg.dtype), found)
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
@@ -81,14 +80,6 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     return with_file_quantization(declaration, checkpoint, model)
 
 
-def task_of(checkpoint: Path, config: PretrainedConfig) -> HfTask:
-    """What the checkpoint's architecture computes, by transformers' own tables; ConfigError
-    where model=hf takes none of it."""
-    return hf_checkpoint.task_of(
-        checkpoint, config.model_type, config.architectures or [], _TASK_TABLES
-    )
-
-
 def with_file_quantization(
     declaration: ModelDeclaration, checkpoint: Path, model: PreTrainedModel
 ) -> ModelDeclaration:
@@ -102,9 +93,9 @@ def with_file_quantization(
     )
 
 
-def read_config(checkpoint: Path) -> PretrainedConfig:
-    """The checkpoint's config, refused unless transformers itself implements it as a causal LM
-    or an encoder-only text model.
+def read_config(checkpoint: Path) -> tuple[PretrainedConfig, HfTask]:
+    """The checkpoint's config and what its architecture computes, refused unless transformers
+    itself implements it as a causal LM or an encoder-only text model.
 
     Checked before any weights are read, so a wrong checkpoint fails in a second; its
     config.json or GGUF header was checked when the job was composed
@@ -122,8 +113,8 @@ def read_config(checkpoint: Path) -> PretrainedConfig:
             f"model.checkpoint={checkpoint}: cannot read its config: {error}"
         ) from error
     # Again with transformers' own tables, where the composed check read them as text.
-    task_of(checkpoint, config)
-    return config
+    saved_as = config.architectures or []
+    return config, hf_checkpoint.task_of(checkpoint, config.model_type, saved_as, _TASK_TABLES)
 
 
 def _sources(checkpoint: Path) -> tuple[Path, dict[str, Any]]:

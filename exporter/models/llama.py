@@ -60,7 +60,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _load_checkpoint(checkpoint: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     """A local Llama checkpoint; any other causal LM is model=hf's."""
-    config = hf.read_config(checkpoint)
+    # A llama checkpoint that read_config takes is a causal LM: it refuses a headless one.
+    config, _ = hf.read_config(checkpoint)
     if config.model_type != "llama":
         raise ConfigError(
             f"model.checkpoint={checkpoint}: model_type is {config.model_type!r}; model=llama "

@@ -496,7 +496,10 @@ def _metrics(record: JobRecord, summary: JobSummary) -> list[Metric]:
 def _call_metrics(timed: Benchmark, at: int) -> list[Metric]:
     """A model with a KV cache: each prefill's figures stepped by its length, each decode step's
     by its cache fill (the position it writes), on a GPU with its time over the memory floor."""
-    metrics = []
+    metrics = [
+        Metric("decode_floor_ratio", ratio, at, call.position)
+        for call, ratio in zip(timed.decode, timed.floor_ratios(), strict=False)
+    ]
     for kind, calls in (("prefill", timed.prefill), ("decode", timed.decode)):
         for call in calls:
             figures = {
@@ -506,8 +509,6 @@ def _call_metrics(timed: Benchmark, at: int) -> list[Metric]:
                 f"eager_{kind}_tokens_per_s": call.eager_tokens_per_s,
                 f"{kind}_speedup_vs_eager": call.speedup_vs_eager,
             }
-            if kind == "decode" and timed.floor is not None:
-                figures["decode_floor_ratio"] = timed.floor.ratio(call.artifact.median_ms)
             step = call.tokens if kind == "prefill" else call.position
             metrics += [Metric(k, v, at, step) for k, v in figures.items() if v is not None]
     return metrics
