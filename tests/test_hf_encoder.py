@@ -171,8 +171,9 @@ def test_a_causal_lms_dims_are_refused_for_an_encoder(
     output = refused_before_torch_loads(
         tmp_path, "model=hf", f"model.checkpoint={checkpoints['encoder']}", "mlflow=off"
     )
-    assert "whose dims are batch and seq, and dynamic bounds seq: choose dynamic=hf_encoder" in (
-        output
+    assert (
+        "whose dims are batch and seq (dynamic=hf_encoder), and dynamic bounds seq: choose "
+        "dynamic=hf_encoder." in output
     )
 
 

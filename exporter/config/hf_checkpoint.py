@@ -11,7 +11,8 @@ its opcodes say: a truncated, corrupt or hostile file is refused in a line, not 
 job by a loader's traceback or by torch's advice to unpickle it with weights_only=False.
 
 The model types transformers implements, the task each checkpoint's architecture holds (a causal
-LM, an encoder-only text model with its masked-LM head or headless: HfTask) and the GGUF
+LM, an encoder-only text model with its masked-LM head or headless, an image classifier: HfTask)
+and the GGUF
 architectures it reads are taken from transformers' own tables (models/auto/auto_mappings.py,
 models/auto/modeling_auto.py, integrations/ggml.py) as the data they are, without importing it.
 Where a table cannot be read (another layout of transformers), its check is left to the model
@@ -31,7 +32,7 @@ import zipfile
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from functools import cache
 from math import prod
@@ -100,6 +101,11 @@ _TABLES = {
         ("models", "auto", "modeling_auto.py"),
         "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     ),
+    # The model types AutoModelForImageClassification loads, each with its class or classes.
+    "image_classifiers": (
+        ("models", "auto", "modeling_auto.py"),
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    ),
     # The GGUF architectures transformers reads, keyed by its model type ("general" and
     # "tokenizer" are sections of every file, not architectures).
     "gguf": (("integrations", "ggml.py"), "GGUF_CONFIG_MAPPING"),
@@ -118,11 +124,22 @@ _GGUF_RENAMES = {
 class HfTask(Enum):
     """What a checkpoint's architecture computes, which model=hf exports: a causal LM's logits
     (`causal_lm`), an encoder-only text model's masked-LM logits (`masked_lm`) or its last
-    hidden state (`encoder`, saved headless)."""
+    hidden state (`encoder`, saved headless), an image classifier's logits
+    (`image_classification`)."""
 
     causal_lm = "causal_lm"
     masked_lm = "masked_lm"
     encoder = "encoder"
+    image_classification = "image_classification"
+
+    @property
+    def kind(self) -> str:
+        """What a model of this task is, in a message."""
+        if self is HfTask.image_classification:
+            return "an image classifier"
+        if self is HfTask.causal_lm:
+            return "a causal LM"
+        return "an encoder-only text model"
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,7 @@ class Architecture:
     def causal_only(self, setting: str, checkpoint: object) -> ConfigError:
         """The refusal of `setting`, which only a causal LM takes, for this encoder."""
         return ConfigError(
-            f"{setting}: model.checkpoint={checkpoint} is an encoder-only text model "
+            f"{setting}: model.checkpoint={checkpoint} is {self.task.kind} "
             f"(model_type {self.model_type!r}, task {self.task.value}); {setting} is a causal "
             "LM's alone."
         )
@@ -155,6 +172,7 @@ class TaskTables:
     masked_lms: ClassNames
     headless: ClassNames
     encoder_decoders: ClassNames
+    image_classifiers: ClassNames
 
 
 def task_of(directory: Path, model_type: object, saved_as: list[str], tables: TaskTables) -> HfTask:
@@ -168,6 +186,13 @@ def task_of(directory: Path, model_type: object, saved_as: list[str], tables: Ta
         not saved_as or set(_names(causal_lms.values())).intersection(saved_as)
     ):
         return HfTask.causal_lm
+    classifiers = tables.image_classifiers
+    if (
+        isinstance(model_type, str)
+        and model_type in classifiers
+        and set(_names([classifiers[model_type]])).intersection(saved_as)
+    ):
+        return HfTask.image_classification
     # The masked-LM table holds encoder-decoders too (bart -> BartForConditionalGeneration),
     # whose inputs and outputs are a decoder's as well.
     if (
@@ -205,11 +230,11 @@ def gguf_file(checkpoint: Path) -> Path | None:
 
 
 def check(checkpoint: Path) -> Architecture | None:
-    """Refuses the checkpoint unless it is a causal LM or an encoder-only text model that
-    transformers itself implements (model=hf runs no code shipped with a checkpoint): a
-    save_pretrained() directory, or a GGUF file of an architecture transformers reads (causal
-    LMs alone). Its architecture; None where transformers' tables cannot be read as text, and
-    the model stage says."""
+    """Refuses the checkpoint unless it is a causal LM, an encoder-only text model or an image
+    classifier that transformers itself implements (model=hf runs no code shipped with a
+    checkpoint): a save_pretrained() directory, or a GGUF file of an architecture transformers
+    reads (causal LMs alone). Its architecture; None where transformers' tables cannot be read
+    as text, and the model stage says."""
     gguf = gguf_file(checkpoint)
     if gguf is not None:
         return _check_gguf(gguf)
@@ -259,7 +284,7 @@ def _check_model_type(directory: Path, raw: dict) -> Architecture | None:
             "refuses remote code (trust_remote_code=False). Use a checkpoint of an "
             "architecture transformers ships."
         )
-    tables = [_table(name) for name in ("causal_lms", "masked_lms", "headless", "encoder_decoders")]
+    tables = [_table(field.name) for field in fields(TaskTables)]
     if None in tables:
         return None
     saved_as = raw.get("architectures") or []
@@ -294,10 +319,11 @@ def no_causal_lm_head(directory: Path, model_type: object, saved_as: list[str]) 
     architecture = f" (saved as {', '.join(saved_as)})" if saved_as else ""
     return (
         f"model.checkpoint={directory}: model_type {model_type!r}{architecture} has no "
-        "causal-LM head and is no encoder-only text model (an encoder-decoder, a headless "
-        "decoder, another task's head, or another modality); model=hf exports causal LMs "
-        "(AutoModelForCausalLM) and encoder-only text models, saved with their masked-LM head "
-        "(AutoModelForMaskedLM) or headless (AutoModel)."
+        "causal-LM head and is no encoder-only text model or image classifier (an "
+        "encoder-decoder, a headless decoder, another task's head, or another modality); "
+        "model=hf exports causal LMs (AutoModelForCausalLM), encoder-only text models, saved "
+        "with their masked-LM head (AutoModelForMaskedLM) or headless (AutoModel), and image "
+        "classifiers (AutoModelForImageClassification)."
     )
 
 

@@ -12,6 +12,7 @@ file. A checkpoint of a schema built without `to_job` is still checked, by the m
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable
 from pathlib import Path
 
 from exporter.config import aten_ops, hf_checkpoint
@@ -30,7 +31,7 @@ def checked_inputs(job: JobConfig) -> JobConfig:
     if checkpoint is not None:
         architecture = _check_checkpoint(checkpoint)
         if architecture is not None and architecture.task is not HfTask.causal_lm:
-            _check_encoder_job(job, checkpoint, architecture)
+            _check_non_causal_job(job, checkpoint, architecture)
     for op in job.fallback.ops:
         _check_declared(op)
     eval_text = job.quantize.eval_text
@@ -52,21 +53,36 @@ def _check_checkpoint(checkpoint: str) -> Architecture | None:
     return hf_checkpoint.check(Path(checkpoint))
 
 
-def _check_encoder_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
-    """An encoder-only checkpoint is model=hf's, with dims batch and seq (dynamic=hf_encoder),
-    and none of what a causal LM's generation takes: refused here, where the model stage would
-    build a model without them and a later stage fail for want of them."""
+# The dims of each task but a causal LM's, and the dynamic configs that bound them: an image
+# classifier's are batch alone where its position embeddings fix the image's size, else the
+# image's height and width too, which only the model stage can tell apart.
+_TASK_DIMS = {
+    HfTask.masked_lm: {"hf_encoder": {"batch", "seq"}},
+    HfTask.encoder: {"hf_encoder": {"batch", "seq"}},
+    HfTask.image_classification: {
+        "hf_image": {"batch"},
+        "hf_image_size": {"batch", "height", "width"},
+    },
+}
+
+
+def _check_non_causal_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
+    """A checkpoint of another task than a causal LM's is model=hf's, with its task's dims, and
+    none of what a causal LM's generation takes: refused here, where the model stage would build
+    a model without them and a later stage fail for want of them."""
+    kind = f"{architecture.task.kind} (model_type {architecture.model_type!r})"
+    choices = _TASK_DIMS[architecture.task]
     if not isinstance(job.model, HfConfig):
         raise ConfigError(
-            f"model.checkpoint={checkpoint}: an encoder-only text model (model_type "
-            f"{architecture.model_type!r}), and model={job.model.name} loads causal LMs; use "
-            f"model=hf dynamic=hf_encoder model.checkpoint={checkpoint}."
+            f"model.checkpoint={checkpoint}: {kind}, and model={job.model.name} loads causal "
+            f"LMs; use model=hf dynamic={next(iter(choices))} model.checkpoint={checkpoint}."
         )
-    if set(job.dynamic) != {"batch", "seq"}:
+    if set(job.dynamic) not in choices.values():
+        dims = " or ".join(f"{_listed(names)} (dynamic={name})" for name, names in choices.items())
         raise ConfigError(
-            f"dynamic: model.checkpoint={checkpoint} is an encoder-only text model (model_type "
-            f"{architecture.model_type!r}), whose dims are batch and seq, and dynamic bounds "
-            f"{', '.join(sorted(job.dynamic)) or 'none'}: choose dynamic=hf_encoder."
+            f"dynamic: model.checkpoint={checkpoint} is {kind}, whose dims are {dims}, and "
+            f"dynamic bounds {_listed(job.dynamic) or 'none'}: choose "
+            f"dynamic={' or dynamic='.join(choices)}."
         )
     causal_only = (
         ("validate.prompt", job.validate.prompt is not None),
@@ -78,6 +94,12 @@ def _check_encoder_job(job: JobConfig, checkpoint: str, architecture: Architectu
     for setting, chosen in causal_only:
         if chosen:
             raise architecture.causal_only(setting, checkpoint)
+
+
+def _listed(names: Iterable[str]) -> str:
+    """Names in order, as a sentence lists them: "a", "a and b", "a, b and c"."""
+    ordered = sorted(names)
+    return " and ".join(filter(None, [", ".join(ordered[:-1]), *ordered[-1:]]))
 
 
 def _check_declared(op: str) -> None:

@@ -1,7 +1,9 @@
-"""Any local Hugging Face causal-LM or encoder-only text checkpoint, through transformers' own
-classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab] (exporter/models/causal_lm.py),
-an encoder's token ids and attention mask [batch, seq] -> masked-LM logits or its last hidden state
-(exporter/models/hf_encoder.py), as the checkpoint's architecture says. A save_pretrained()
+"""Any local Hugging Face causal-LM, encoder-only text or image-classification checkpoint, through
+transformers' own classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab]
+(exporter/models/causal_lm.py), an encoder's token ids and attention mask [batch, seq] -> masked-LM
+logits or its last hidden state (exporter/models/hf_encoder.py), an image classifier's pixel values
+[batch, channels, height, width] -> class logits (exporter/models/hf_image.py), as the
+checkpoint's architecture says. A save_pretrained()
 directory or a GGUF file (causal LMs alone), whose weights transformers dequantizes into the
 float model. Local files only, never remote code."""
 
@@ -19,6 +21,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForMaskedLM,
     AutoTokenizer,
     GgufConfig,
@@ -29,6 +32,8 @@ from transformers import (
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -43,6 +48,7 @@ from exporter.models import gguf_codes
 from exporter.models.bundle import ModelDeclaration, torch_dtype
 from exporter.models.causal_lm import cache_slots, declare_causal_lm
 from exporter.models.hf_encoder import declare_encoder
+from exporter.models.hf_image import declare_image_classifier
 
 # transformers' tables of the classes that say a checkpoint's task, as hf_checkpoint reads them
 # as text when the job is composed.
@@ -51,12 +57,17 @@ _TASK_TABLES = hf_checkpoint.TaskTables(
     masked_lms=MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     headless=MODEL_MAPPING_NAMES,
     encoder_decoders=MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    image_classifiers=MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
 )
 # The Auto class that loads each task's weights, and its mapping of config classes to models.
 _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
     HfTask.causal_lm: (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING),
     HfTask.masked_lm: (AutoModelForMaskedLM, MODEL_FOR_MASKED_LM_MAPPING),
     HfTask.encoder: (AutoModel, MODEL_MAPPING),
+    HfTask.image_classification: (
+        AutoModelForImageClassification,
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+    ),
 }
 
 
@@ -73,6 +84,8 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
         if cfg.kv_cache is KvCache.static:
             architecture = hf_checkpoint.Architecture(found, config.model_type)
             raise architecture.causal_only("model.kv_cache=static", checkpoint)
+        if found is HfTask.image_classification:
+            return declare_image_classifier(model)
         return declare_encoder(model, found, max_positions)
     declaration = declare_causal_lm(
         model, max_positions, cache_slots(cfg), functools.partial(load_tokenizer, checkpoint)
@@ -95,7 +108,7 @@ def with_file_quantization(
 
 def read_config(checkpoint: Path) -> tuple[PretrainedConfig, HfTask]:
     """The checkpoint's config and what its architecture computes, refused unless transformers
-    itself implements it as a causal LM or an encoder-only text model.
+    itself implements it as a causal LM, an encoder-only text model or an image classifier.
 
     Checked before any weights are read, so a wrong checkpoint fails in a second; its
     config.json or GGUF header was checked when the job was composed
