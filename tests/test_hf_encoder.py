@@ -16,6 +16,7 @@ from exporter import models
 from exporter.config import DimBounds, KvCache
 from exporter.errors import ConfigError
 from exporter.models import DynamicDim
+from exporter.models.hf_encoder import EncoderOutput
 from exporter.validate.plan import plan
 from tests.conftest import job_in_process
 from tests.test_hf_models import hf, refused_before_torch_loads
@@ -130,6 +131,49 @@ def test_job_passes_at_every_batch_and_seq_corner(
     assert got.shape == (8, 64, width)
     assert int(mask.sum()) < mask.numel()
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+class MaskIgnored(torch.nn.Module):
+    """The planted fault: an artifact that attends to every token, its padding too."""
+
+    def __init__(self, encoder: EncoderOutput) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids, torch.ones_like(attention_mask))
+
+
+def test_an_artifact_that_ignores_the_mask_fails_where_a_row_is_padded(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    bundle = models.build(hf(checkpoints["masked_lm"]), BOUNDS)
+    batch, seq = (torch.export.Dim(d.name, min=d.min, max=d.max) for d in bundle.dims)
+    faulty = torch.export.export(
+        MaskIgnored(bundle.module),
+        bundle.make_inputs({"batch": 3, "seq": 16}, 0),
+        dynamic_shapes={name: {0: batch, 1: seq} for name in bundle.input_names},
+    )
+    torch.export.save(faulty, tmp_path / "mask_ignored.pt2")
+    run_dir = tmp_path / "run"
+    record, report = job_in_process(
+        run_dir,
+        *JOB,
+        f"model.checkpoint={checkpoints['masked_lm']}",
+        "backend=eager",
+        f"artifact={tmp_path / 'mask_ignored.pt2'}",
+    )
+    assert record.exit_code == 1
+    goldens = torch.load(run_dir / "bundle" / "goldens.pt", weights_only=False)
+    padded = {}
+    for case, ((_, mask), _) in goldens["cases"].items():
+        padded[case] = bool((mask == 0).any())
+    verdicts = {
+        ",".join(f"{k}={v}" for k, v in s["shape"].items()): s["passed"] for s in report["shapes"]
+    }
+    # Right exactly where no row is padded (one row, or rows all drawn as long as seq).
+    assert verdicts == {case: not is_padded for case, is_padded in padded.items()}
+    assert sum(padded.values()) >= 5 and sum(not p for p in padded.values()) >= 2
 
 
 def test_an_encoder_decoder_exits_2_naming_its_model_type_before_torch_loads(
