@@ -1,7 +1,8 @@
 """What a target needs to run and judge an artifact, independent of the exporter: the loaders
 (runtimes/loaders/, one per runtime), the formats of the files it gets (runtimes/formats/: the
-.pte, the bundle), the verdict that judges outputs against goldens (runtimes/verdict/), and the
-check that validates a bundle there (`python -m runtimes.check BUNDLE`).
+.pte, the bundle), the verdict that judges outputs against goldens (runtimes/verdict/), the check
+that validates a bundle there (`python -m runtimes.check BUNDLE`), and what runs the exported
+model there (`python -m runtimes.run BUNDLE generate`: runtimes/generation.py).
 
 Every module (or subpackage) of runtimes/loaders/ is one runtime, with a
 `load(path: Path, device: str) -> Loaded` and the `PACKAGES` (distributions) it loads artifacts

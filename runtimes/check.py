@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return load(bundle.artifact_path, bundle.runtime, device)
         except Exception as error:
-            raise _LoadFailed(_load_failure(bundle, device, error)) from error
+            raise _LoadFailed(bundle.load_failure(device, error)) from error
 
     def after_each(number: int, execution: Execution) -> None:
         print(f"[check] {execution_line(number, len(bundle.executions), execution)}", flush=True)
@@ -170,18 +170,6 @@ def _source(bundle: Bundle) -> str:
     source = bundle.source
     run = f"MLflow run {source['run_id']}" if source.get("run_id") else "no MLflow run"
     return f"from {source.get('host', 'an unknown host')}, {run}"
-
-
-def _load_failure(bundle: Bundle, device: str, error: Exception) -> str:
-    message = (
-        f"cannot load {bundle.artifact_path} (runtime {bundle.runtime}) on {device}: "
-        f"{type(error).__name__}: {error}"
-    )
-    built_with = bundle.source.get("libraries", {}).get("torch")
-    here = versions(("torch",)).get("torch")
-    if built_with and built_with != here:
-        message += f" (the artifact was built with torch {built_with}; this is torch {here})"
-    return message
 
 
 def _check(

@@ -29,6 +29,7 @@ def check(
             sys.executable,
             "tests/bare_target.py",
             blocked,
+            "runtimes.check",
             str(bundle),
             "--report",
             str(report),

@@ -28,9 +28,10 @@ ELIDED = "..."
 _EXIT_COMMENT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 _TIMESTAMP = re.compile(r"^\[\d\d:\d\d:\d\d\]")
 # Commands a user runs on the workstation, which must come from the venv there; the target's
-# check (`python -m runtimes.check`) runs on the target's own Python.
+# check and runner (`python -m runtimes.check`, `python -m runtimes.run`) run on the target's
+# own Python.
 _WORKSTATION_PROGRAMS = ("python", "python3", "pip", "mlflow", "pytest", "ruff")
-_ALLOWED_BARE = ("python3 -m venv", "python -m runtimes.check")
+_ALLOWED_BARE = ("python3 -m venv", "python -m runtimes.check", "python -m runtimes.run")
 # `EXPORTER_REQUIRE_SLURM=1 .venv/bin/python ...`: the program comes after the environment.
 _ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

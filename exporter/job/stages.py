@@ -36,7 +36,7 @@ from exporter.job import localizing
 from exporter.job.cached import CachedWork
 from exporter.job.findings import REPORT_FILE, failure_message, report_payload, write_report
 from exporter.job.timing import Notify, stage
-from exporter.job.values import Expected, Lowered, ProgramFile
+from exporter.job.values import Decoding, Expected, Lowered, ProgramFile
 from exporter.localize import repair
 from exporter.process import memory
 from exporter.quantize import attribution, quality
@@ -77,19 +77,19 @@ def run(
     )
     # The libraries are imported and the MLflow run is open: they last as long as the job.
     memory.spare_survivors()
-    program, expected, state, weights = sequence.from_model()
+    program, expected, state, weights, decoding = sequence.from_model()
     sequence.settle()
     lowered = sequence.lowered(program, state, weights)
     sequence.settle()
     if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", lowered.artifact.path)
         return
-    sequence.bundled(lowered.artifact, expected)
+    sequence.bundled(lowered.artifact, expected, decoding)
     sequence.validated(lowered, expected)
     if localizing.searches(job.validate.localize, _report(record)):
         sequence.localized(program, expected)
     if not record.passed:
-        lowered = sequence.repaired(program, expected)
+        lowered = sequence.repaired(program, expected, decoding)
     sequence.verdict()
     if job.benchmark.enabled:
         sequence.benchmarked(program, expected, lowered)
@@ -119,11 +119,14 @@ class _Sequence:
 
     def from_model(
         self,
-    ) -> tuple[ProgramFile | None, Expected | None, frozenset[str], dict[str, Any]]:
+    ) -> tuple[
+        ProgramFile | None, Expected | None, frozenset[str], dict[str, Any], Decoding | None
+    ]:
         """model -> quantize -> export -> goldens (-> attribution): the exported program (None
         for a given artifact), what artifacts are judged against (None where the backend makes
-        a report), the model's buffers that its program writes as it runs (a KV cache), and for
-        a given artifact, the model's weights that its constants are audited against. The model
+        a report), the model's buffers that its program writes as it runs (a KV cache), for
+        a given artifact, the model's weights that its constants are audited against, and for a
+        causal LM with a KV cache, what a target generates text with (None otherwise). The model
         is dropped on return: no stage after holds both it and its exported program."""
         job, record = self.job, self.record
         with self.timed("model"):
@@ -161,7 +164,10 @@ class _Sequence:
                 self.attributed(bundle.unquantized, expected)
         # A given artifact's constants are audited against the model's own weights.
         weights = {} if program else models.weights(bundle.module)
-        return program, expected, _cache_buffers(bundle), weights
+        decoding = None
+        if bundle.decoder is not None:
+            decoding = Decoding(bundle.runner_metadata(), bundle.decoder.tokenizer)
+        return program, expected, _cache_buffers(bundle), weights, decoding
 
     def attributed(self, float_bundle: models.ModelBundle, expected: Expected) -> None:
         """quantize.attribution: the quality each layer costs, quantized alone, on the goldens'
@@ -189,11 +195,12 @@ class _Sequence:
         self.record.artifact = lowered.artifact
         return lowered
 
-    def bundled(self, artifact: Artifact, expected: Expected) -> None:
-        """bundle (bundle=on): what a target's check of the artifact needs, in the run dir."""
+    def bundled(self, artifact: Artifact, expected: Expected, decoding: Decoding | None) -> None:
+        """bundle (bundle=on): what a target's check of the artifact needs, in the run dir, and
+        what it generates text with where the model is a causal LM with a KV cache."""
         if self.job.bundle:
             with self.timed("bundle"):
-                self.record.bundle = _bundle(self.job, self.record, artifact, expected)
+                self.record.bundle = _bundle(self.job, self.record, artifact, expected, decoding)
 
     def validated(self, lowered: Lowered, expected: Expected) -> None:
         """validate: the artifact judged (`judge`), and report.json written."""
@@ -247,7 +254,9 @@ class _Sequence:
             write_report(record.run_dir, record)
         log.info("[localize] %s", "\n".join(record.localization.lines()))
 
-    def repaired(self, program: ProgramFile | None, expected: Expected) -> Lowered:
+    def repaired(
+        self, program: ProgramFile | None, expected: Expected, decoding: Decoding | None
+    ) -> Lowered:
         """repair: where validation failed, the program lowered again with the override that
         keeps the diverging op out of the delegate, bundled and validated as the first artifact
         was; its values replace the first's. ValidationFailed where the search found no such
@@ -273,7 +282,7 @@ class _Sequence:
             lowered = _lower(program, repaired_job, repaired_backend, self.work)
             record.artifact = lowered.artifact
             if job.bundle:
-                record.bundle = _bundle(job, record, lowered.artifact, expected)
+                record.bundle = _bundle(job, record, lowered.artifact, expected, decoding)
             self.judge(lowered, expected)
             first.passed = record.passed
             write_report(record.run_dir, record)
@@ -549,11 +558,16 @@ def _on_text(
 
 
 def _bundle(
-    job: config.JobConfig, record: JobRecord, artifact: Artifact, expected: Expected
+    job: config.JobConfig,
+    record: JobRecord,
+    artifact: Artifact,
+    expected: Expected,
+    decoding: Decoding | None,
 ) -> bundles.Bundle:
     """bundle/ in the run dir: links to the artifact's files and the goldens (written there
     when the cache is off), and the manifest that runs them on a target as this job will (a
-    model with a KV cache: by its sessions)."""
+    model with a KV cache: by its sessions); for a causal LM with a KV cache, its runner
+    metadata and tokenizer, which a target generates text with."""
     assert artifact.runtime is not None
     source = {
         "run_id": record.run_id,
@@ -583,6 +597,8 @@ def _bundle(
         expected.tolerances,
         source,
         outline(sessions),
+        decoding.runner_metadata if decoding else None,
+        _tokenizer_saver(decoding),
     )
     log.info(
         "[bundle] %s: %s (%.1f MB); check it on a target with: python -m runtimes.check %s",
@@ -592,6 +608,26 @@ def _bundle(
         written.folder,
     )
     return written
+
+
+def _tokenizer_saver(decoding: Decoding | None) -> Callable[[Path], object] | None:
+    """What writes the checkpoint's tokenizer into a folder as standard files (save_pretrained:
+    a GGUF file's vocabulary and chat template too); None where the model has none, or none
+    that transformers loads (a checkpoint of weights alone), which only costs the bundle text:
+    a target still generates from it with token ids."""
+    if decoding is None or decoding.tokenizer is None:
+        return None
+    try:
+        tokenizer = decoding.tokenizer()
+    except ConfigError as error:
+        reason = " ".join(str(error.__cause__ or error).split())
+        log.info(
+            "[bundle] no tokenizer/ (a target generates from the bundle with --ids): "
+            "transformers cannot load the checkpoint's: %s",
+            reason,
+        )
+        return None
+    return tokenizer.save_pretrained
 
 
 def _benchmark(

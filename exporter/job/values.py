@@ -1,9 +1,11 @@
 """The values a job's stages hand each other, beyond the model's bundle: the exported program's
-file (export), what every artifact is judged against (goldens) and the artifact with the
-weights its audit checks (lower)."""
+file (export), what every artifact is judged against (goldens), the artifact with the weights
+its audit checks (lower), and what a target generates text with beside a causal LM's artifact
+(model)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,3 +76,15 @@ class Lowered:
     artifact: Artifact
     weights: dict[str, torch.Tensor]
     state: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What the model stage hands the bundle for a causal LM with a KV cache, once the model
+    itself has gone: what a target generates text with beside the artifact. `runner_metadata`:
+    what an LLM runner reads of the program (the cache's slots, the longest call, the
+    vocabulary, the EOS ids); `tokenizer` loads the checkpoint's tokenizer (ConfigError where
+    transformers cannot), None where the model has no checkpoint."""
+
+    runner_metadata: models.RunnerMetadata
+    tokenizer: Callable[[], Any] | None

@@ -8,7 +8,10 @@ error at the model's dtype), and `manifest.json`, written last, which says how t
 them (the runtime and its device, the output names, the live shapes and the order of the
 executions, or for a model with a KV cache its sessions, the rule and its tolerances), where
 they came from (the job's MLflow run, host and libraries), and every file's size and SHA-256.
-Copy the folder whole; links are followed.
+A causal LM with a KV cache also has what a runner generates text with (`python -m runtimes.run
+BUNDLE generate`): what an LLM runner reads of its program, and where the model has one, its
+tokenizer in `tokenizer/` (its files listed in the manifest like the others). Copy the folder
+whole; links are followed.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import importlib.metadata
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,12 @@ MANIFEST = "manifest.json"
 # instance "same instance" or "new instance" (1: "reused" or "fresh"). 3: a model with a KV
 # cache, whose goldens' sessions run in order on one instance (runtimes/verdict/sessions.py):
 # a check that reads format 2 only would run their judged steps as separate calls, so it must
-# refuse them. A bundle without sessions stays format 2, which every check reads.
+# refuse them. A bundle without sessions stays format 2, which every check reads. A causal LM's
+# runner metadata and tokenizer/ bumped neither: a reader of either format ignores a key it does
+# not know, and verifies the tokenizer's files by their paths as it does every file it lists.
 FORMAT, SESSIONS_FORMAT = 2, 3
+# The folder of the model's tokenizer in a bundle.
+TOKENIZER_DIR = "tokenizer"
 
 
 class BundleInvalid(Exception):
@@ -59,11 +66,17 @@ class Bundle:
     # Where the bundle came from: the job's MLflow run (run_id, tracking_uri, experiment; None
     # where tracking was off), its run dir, host, choices and library versions.
     source: Mapping[str, Any]
-    # File name -> {"bytes": size, "sha256": digest}.
+    # File path in the folder (`tokenizer/tokenizer.json`) -> {"bytes": size, "sha256": digest}.
     files: Mapping[str, Mapping[str, Any]]
     # A model with a KV cache: per session, its prefill, its steps and the positions judged
     # (runtimes/verdict/sessions.py `outline`); the goldens hold the sessions themselves.
     sessions: tuple[Mapping[str, Any], ...] = ()
+    # A causal LM with a KV cache: what an LLM runner reads of its program, under the names of
+    # ExecuTorch's runners (`get_max_context_len`, the cache's slots; `get_max_seq_len`, the
+    # longest call; `get_vocab_size`; `get_eos_ids` where the checkpoint names them); else empty.
+    runner_metadata: Mapping[str, Any] = field(default_factory=dict)
+    # The folder of the model's tokenizer (its save_pretrained files), where it has one.
+    tokenizer: str | None = None
 
     @property
     def artifact_path(self) -> Path:
@@ -82,6 +95,19 @@ class Bundle:
     def total_bytes(self) -> int:
         return sum(entry["bytes"] for entry in self.files.values())
 
+    def load_failure(self, device: str, error: Exception) -> str:
+        """Why the artifact's runtime could not load it on `device`, and which torch built it
+        where that is not this one's (a program of another torch may not load)."""
+        message = (
+            f"cannot load {self.artifact_path} (runtime {self.runtime}) on {device}: "
+            f"{type(error).__name__}: {error}"
+        )
+        built_with = self.source.get("libraries", {}).get("torch")
+        here = versions(("torch",)).get("torch")
+        if built_with and built_with != here:
+            message += f" (the artifact was built with torch {built_with}; this is torch {here})"
+        return message
+
 
 def write(
     folder: Path,
@@ -95,22 +121,34 @@ def write(
     tolerances: Tolerances,
     source: Mapping[str, Any],
     sessions: Sequence[Mapping[str, Any]] = (),
+    runner_metadata: Mapping[str, Any] | None = None,
+    save_tokenizer: Callable[[Path], object] | None = None,
 ) -> Bundle:
     """Writes the bundle into `folder` (made or emptied): `artifact_files` first (the artifact,
-    then its data file), `goldens` linked where it is a file, saved where it is in memory, and
-    the manifest last, so a bundle whose writing stopped has none and is refused. One that
-    fails is removed, NoRoom naming it where its filesystem is full. `sessions`: a model with a
-    KV cache's, as `Bundle.sessions` says."""
+    then its data file), `goldens` linked where it is a file, saved where it is in memory, the
+    tokenizer where `save_tokenizer` writes it into the folder it is given (its save_pretrained),
+    and the manifest last, so a bundle whose writing stopped has none and is refused. One that
+    fails is removed, NoRoom naming it where its filesystem is full. `sessions` and
+    `runner_metadata`: a model with a KV cache's, as `Bundle` says."""
     try:
         with room_checked("the bundle", folder):
             folder.mkdir(parents=True, exist_ok=True)
             for stale in folder.iterdir():
-                stale.unlink()
+                # The tokenizer's folder, from a bundle the repair stage writes again.
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
             placed = [_link(path, folder) for path in artifact_files]
             if isinstance(goldens, Path):
                 placed.append(_link(goldens, folder))
             else:
                 placed.append(stored_goldens.save(goldens, folder))
+            tokenizer = None
+            if save_tokenizer is not None:
+                tokenizer = folder / TOKENIZER_DIR
+                save_tokenizer(tokenizer)
+                placed.extend(sorted(p for p in tokenizer.rglob("*") if p.is_file()))
             bundle = Bundle(
                 folder=folder,
                 runtime=runtime,
@@ -122,10 +160,15 @@ def write(
                 tolerances=tolerances,
                 source=dict(source),
                 files={
-                    path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)}
+                    path.relative_to(folder).as_posix(): {
+                        "bytes": path.stat().st_size,
+                        "sha256": sha256(path),
+                    }
                     for path in placed
                 },
                 sessions=tuple(sessions),
+                runner_metadata=dict(runner_metadata or {}),
+                tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
             )
             manifest = {"format": SESSIONS_FORMAT if sessions else FORMAT} | {
                 f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
@@ -168,6 +211,8 @@ def read(folder: Path) -> Bundle:
             source=manifest["source"],
             files=manifest["files"],
             sessions=tuple(manifest.get("sessions", ())),
+            runner_metadata=manifest.get("runner_metadata", {}),
+            tokenizer=manifest.get("tokenizer"),
         )
     except BundleInvalid:
         raise

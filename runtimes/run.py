@@ -1,0 +1,293 @@
+"""`python -m runtimes.run BUNDLE TASK ...`: run what a job exported, on a target that has its
+bundle (runtimes/formats/bundle.py), torch, the artifact's runtime package and this package; a
+subcommand per task.
+
+`generate`: a causal LM exported with a static KV cache (`model.kv_cache=static`) continues a
+prompt on one loaded instance (runtimes/generation.py). The prompt is text (`--prompt`, encoded
+with the bundle's tokenizer, which transformers reads; `--chat` puts it in the tokenizer's chat
+template) or token ids (`--ids`); the new tokens, greedy or sampled (`--temperature`, `--top-k`,
+`--seed`), are printed as they come, as text for a prompt given as text and as ids for ids, up
+to `--max-new-tokens` or the model's EOS ids (the manifest's runner metadata); then one line of
+figures: the prompt's tokens, the tokens generated, the prefill's milliseconds and the decode
+steps' median milliseconds per token. What native libraries print (ExecuTorch's C++ log lines)
+goes to native.log in the bundle, where it can be written. It imports nothing of the exporter.
+
+Exit codes: 0 generated, 2 bad input (a bundle missing, incomplete or of a model without a KV
+cache, an argument it cannot take: the line names it), 5 the artifact cannot be loaded or run,
+130 stopped by Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from runtimes import load, native_log, tokenizer
+from runtimes.formats.bundle import Bundle, BundleInvalid, read
+from runtimes.generation import Sampling, generate
+from runtimes.verdict.errors import ArtifactFailed
+from runtimes.verdict.sessions import Cache
+
+DONE, BAD_INPUT, RUNTIME_FAILED, STOPPED = 0, 2, 5, 130
+# New tokens where --max-new-tokens is not given, fewer where the cache has less room.
+DEFAULT_NEW_TOKENS = 32
+
+
+class BadInput(Exception):
+    """An argument or file the task cannot take; the message names it."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.task(args)
+    except BadInput as error:
+        print(f"[{args.task_name}] {error}", file=sys.stderr)
+        return BAD_INPUT
+
+
+def _generate(args: argparse.Namespace) -> int:
+    bundle = _bundle(Path(args.bundle))
+    metadata = bundle.runner_metadata
+    slots = metadata["get_max_context_len"]
+    sampling = _sampling(args)
+    prompt, stream = _prompt(args, bundle)
+    count = _new_tokens(args.max_new_tokens, len(prompt), slots)
+    device = args.device or bundle.device
+    print(
+        f"[generate] {bundle.artifact} on {bundle.runtime} ({device}), a cache of {slots} slots: "
+        f"{len(prompt)} prompt tokens, up to {count} new, {sampling.describe()}",
+        flush=True,
+    )
+    native = bundle.folder / native_log.NATIVE_LOG
+    try:
+        with (
+            native_log.routed_to(native)
+            if os.access(bundle.folder, os.W_OK)
+            else contextlib.nullcontext()
+        ):
+            try:
+                loaded = load(bundle.artifact_path, bundle.runtime, device)
+            except Exception as error:
+                raise _LoadFailed(bundle.load_failure(device, error)) from error
+            eos_ids = set(metadata.get("get_eos_ids", ()))
+            generated = generate(
+                Cache(loaded, slots), prompt, count, eos_ids, sampling, _printer(stream)
+            )
+    except KeyboardInterrupt:
+        print(flush=True)
+        print("[generate] stopped by Ctrl-C", file=sys.stderr)
+        return STOPPED
+    except _LoadFailed as error:
+        print(f"[generate] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    except ArtifactFailed as error:
+        # After the tokens printed so far, on a line of its own.
+        print(flush=True)
+        print(f"[generate] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    print(stream.rest() if stream is not None else "", flush=True)
+    print(f"[generate] {generated.figures(sampling)}")
+    return DONE
+
+
+class _LoadFailed(Exception):
+    """The artifact's runtime could not load it on the device."""
+
+
+def _bundle(folder: Path) -> Bundle:
+    """The bundle, every file checked against its manifest, of a causal LM with a KV cache."""
+    try:
+        bundle = read(folder)
+    except BundleInvalid as error:
+        raise BadInput(f"the bundle cannot be read: {error}") from error
+    if bundle.runner_metadata.get("use_kv_cache"):
+        return bundle
+    if bundle.sessions:
+        raise BadInput(
+            f"{folder}: the bundle's manifest has sessions but no runner metadata (the cache's "
+            "slots, the vocabulary, the EOS ids): an exporter older than `runtimes.run` wrote "
+            "it; export the model again"
+        )
+    raise BadInput(
+        f"{folder}: a bundle of {_model(bundle)} without a KV cache; generate continues a "
+        "causal LM exported with one: export it with model.kv_cache=static"
+    )
+
+
+def _model(bundle: Bundle) -> str:
+    """The job's model as its override names it: `model=llama`."""
+    return f"model={bundle.source.get('model', '?')}"
+
+
+def _sampling(args: argparse.Namespace) -> Sampling:
+    if args.temperature is None or args.temperature == 0:
+        if args.top_k is not None or args.seed is not None:
+            raise BadInput(
+                "--top-k and --seed choose among sampled tokens: give --temperature above 0 "
+                "too (without it, generation is greedy: the most likely token)"
+            )
+        return Sampling()
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise BadInput(
+            f"--temperature {args.temperature}: a finite number, 0 or above (0 is greedy)"
+        )
+    if args.top_k is not None and args.top_k < 1:
+        raise BadInput(f"--top-k {args.top_k}: at least 1")
+    # Drawn where not given, and said with the figures: the run can be repeated with it.
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    return Sampling(args.temperature, args.top_k, seed)
+
+
+def _prompt(
+    args: argparse.Namespace, bundle: Bundle
+) -> tuple[list[int], tokenizer.TextStream | None]:
+    """The prompt's token ids, which one prefill takes with a cache slot left to generate in;
+    for a prompt given as text, what turns the new tokens into text (None: they are printed as
+    ids)."""
+    metadata = bundle.runner_metadata
+    if args.prompt is not None:
+        read_tokenizer = _tokenizer(bundle)
+        try:
+            ids = tokenizer.prompt_ids(read_tokenizer, args.prompt, args.chat)
+        except tokenizer.TokenizerRefused as error:
+            raise BadInput(f"--chat: {error}") from error
+        stream = tokenizer.TextStream(read_tokenizer)
+    elif args.chat:
+        raise BadInput(
+            "--chat puts --prompt in the tokenizer's chat template; --ids are sent as given"
+        )
+    else:
+        ids = _ids(args.ids, metadata["get_vocab_size"])
+        stream = None
+    source = "--prompt" if args.prompt is not None else "--ids"
+    slots, longest = metadata["get_max_context_len"], metadata["get_max_seq_len"]
+    if not ids:
+        raise BadInput(f"{source}: no tokens to start from")
+    if len(ids) > longest:
+        raise BadInput(
+            f"{source}: {len(ids)} tokens, and the artifact's prefill takes at most {longest} "
+            "(its dynamic.seq.max): shorten the prompt, or export with a larger dynamic.seq.max"
+        )
+    if len(ids) >= slots:
+        raise BadInput(
+            f"{source}: {len(ids)} tokens fill the cache's {slots} slots, leaving none to "
+            "generate in: shorten the prompt, or export with a larger model.max_cache_len"
+        )
+    return ids, stream
+
+
+def _tokenizer(bundle: Bundle) -> Any:
+    if bundle.tokenizer is None:
+        raise BadInput(
+            f"--prompt: the bundle has no tokenizer ({_model(bundle)} was exported without one): "
+            "give the prompt's token ids with --ids 1,2,3"
+        )
+    try:
+        return tokenizer.read(bundle.folder / bundle.tokenizer)
+    except tokenizer.TokenizerRefused as error:
+        raise BadInput(f"--prompt: {error}") from error
+
+
+def _ids(text: str, vocab_size: int) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError as error:
+        raise BadInput(f"--ids {text}: not token ids separated by commas (1,2,3)") from error
+    outside = [token for token in ids if not 0 <= token < vocab_size]
+    if outside:
+        raise BadInput(
+            f"--ids: {', '.join(map(str, outside))} outside the vocabulary's ids "
+            f"0..{vocab_size - 1}"
+        )
+    return ids
+
+
+def _new_tokens(asked: int | None, prompt: int, slots: int) -> int:
+    """The tokens to generate: as many as asked, where the prompt leaves them cache slots."""
+    room = slots - prompt
+    if asked is None:
+        return min(DEFAULT_NEW_TOKENS, room)
+    if asked < 1:
+        raise BadInput(f"--max-new-tokens {asked}: at least 1")
+    if asked > room:
+        raise BadInput(
+            f"--max-new-tokens {asked}: the cache has {slots} slots and the prompt takes "
+            f"{prompt}, leaving {room}: ask for at most {room}, or export with a larger "
+            "model.max_cache_len"
+        )
+    return asked
+
+
+def _printer(stream: tokenizer.TextStream | None) -> Callable[[int], None]:
+    """What prints each new token as it comes: its text, or its id, commas between ids."""
+    separator = ""
+
+    def print_token(token: int) -> None:
+        nonlocal separator
+        if stream is not None:
+            print(stream.piece(token), end="", flush=True)
+        else:
+            print(f"{separator}{token}", end="", flush=True)
+            separator = ","
+
+    return print_token
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m runtimes.run",
+        description="Run an exported model from its bundle on this machine.",
+    )
+    parser.add_argument("bundle", help="the bundle folder (a job's run dir has it as bundle/)")
+    tasks = parser.add_subparsers(title="tasks", required=True, metavar="TASK")
+    generate_parser = tasks.add_parser(
+        "generate",
+        help="continue a prompt with a causal LM exported with model.kv_cache=static",
+        description="Continue a prompt with a causal LM exported with model.kv_cache=static, "
+        "printing the new tokens as they come, then the prompt's and new tokens' counts, the "
+        "prefill's time and the decode steps' median time per token.",
+    )
+    generate_parser.set_defaults(task=_generate, task_name="generate")
+    prompt = generate_parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt as text, encoded with the bundle's tokenizer")
+    prompt.add_argument("--ids", help="the prompt as token ids separated by commas: 1,2,3")
+    generate_parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="put --prompt in the tokenizer's chat template, as a user's turn",
+    )
+    generate_parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"at most this many new tokens (default {DEFAULT_NEW_TOKENS}, or fewer where the "
+        "cache has less room after the prompt)",
+    )
+    generate_parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sample at this temperature (default 0: greedy, the most likely token)",
+    )
+    generate_parser.add_argument(
+        "--top-k", type=int, help="sample among the K most likely tokens only"
+    )
+    generate_parser.add_argument(
+        "--seed", type=int, help="seed the sampling (default: drawn, and printed with the figures)"
+    )
+    generate_parser.add_argument(
+        "--device",
+        help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
+        "cpu for webgpu); default: the job's",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
