@@ -9,31 +9,46 @@ template) or token ids (`--ids`); the new tokens, greedy or sampled (`--temperat
 `--seed`), are printed as they come, as text for a prompt given as text and as ids for ids, up
 to `--max-new-tokens` or the model's EOS ids (the manifest's runner metadata); then one line of
 figures: the prompt's tokens, the tokens generated, the prefill's milliseconds and the decode
-steps' median milliseconds per token. What native libraries print (ExecuTorch's C++ log lines)
-goes to native.log in the bundle, where it can be written. It imports nothing of the exporter.
+steps' median milliseconds per token.
 
-Exit codes: 0 generated, 2 bad input (a bundle missing, incomplete or of a model without a KV
-cache, an argument it cannot take: the line names it), 5 the artifact cannot be loaded or run,
-130 stopped by Ctrl-C.
+`classify`: an image classifier exported from a checkpoint with its image processor labels image
+files (runtimes/classification.py): each file read and preprocessed by the bundle's image
+processor, the images run in batches of at most the artifact's largest batch, and each image's
+most likely labels printed with their probabilities; then one line of figures.
+
+What native libraries print (ExecuTorch's C++ log lines) goes to native.log in the bundle, where
+it can be written. It imports nothing of the exporter.
+
+Exit codes: 0 generated or classified, 2 bad input (a bundle missing, incomplete or of another
+model than the task runs, an argument or image it cannot take: the line names it), 5 the artifact
+cannot be loaded or run, 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import secrets
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtimes import load, native_log, tokenizer
+from runtimes import Loaded, classification, load, native_log, tokenizer
 from runtimes.formats.bundle import Bundle, BundleInvalid, read
 from runtimes.generation import Sampling, generate
 from runtimes.verdict.errors import ArtifactFailed
 from runtimes.verdict.sessions import Cache
+
+if TYPE_CHECKING:
+    import torch
+
+# torchao, which transformers imports where it is installed, trips a deprecation notice in
+# torch's pytree registry at import time; it says nothing about the run (as exporter/__init__.py).
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 DONE, BAD_INPUT, RUNTIME_FAILED, STOPPED = 0, 2, 5, 130
 # New tokens where --max-new-tokens is not given, fewer where the cache has less room.
@@ -66,17 +81,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"{len(prompt)} prompt tokens, up to {count} new, {sampling.describe()}",
         flush=True,
     )
-    native = bundle.folder / native_log.NATIVE_LOG
     try:
-        with (
-            native_log.routed_to(native)
-            if os.access(bundle.folder, os.W_OK)
-            else contextlib.nullcontext()
-        ):
-            try:
-                loaded = load(bundle.artifact_path, bundle.runtime, device)
-            except Exception as error:
-                raise _LoadFailed(bundle.load_failure(device, error)) from error
+        with _loaded(bundle, device) as loaded:
             eos_ids = set(metadata.get("get_eos_ids", ()))
             generated = generate(
                 Cache(loaded, slots), prompt, count, eos_ids, sampling, _printer(stream)
@@ -102,12 +108,91 @@ class _LoadFailed(Exception):
     """The artifact's runtime could not load it on the device."""
 
 
-def _bundle(folder: Path) -> Bundle:
-    """The bundle, every file checked against its manifest, of a causal LM with a KV cache."""
+@contextlib.contextmanager
+def _loaded(bundle: Bundle, device: str) -> Iterator[Loaded]:
+    """The bundle's artifact loaded on `device` (_LoadFailed where its runtime cannot), what
+    native libraries print meanwhile going to native.log in the bundle where it can be
+    written."""
+    native = bundle.folder / native_log.NATIVE_LOG
+    writable = os.access(bundle.folder, os.W_OK)
+    with native_log.routed_to(native) if writable else contextlib.nullcontext():
+        try:
+            loaded = load(bundle.artifact_path, bundle.runtime, device)
+        except Exception as error:
+            raise _LoadFailed(bundle.load_failure(device, error)) from error
+        yield loaded
+
+
+def _classify(args: argparse.Namespace) -> int:
+    bundle = _read(Path(args.bundle))
+    if bundle.preprocessor is None:
+        raise BadInput(
+            f"{bundle.folder}: a bundle of {_model(bundle)} without an image processor; classify "
+            "runs an image classifier exported from a checkpoint saved with its image processor "
+            "(preprocessor_config.json: the processor's save_pretrained)"
+        )
+    if args.top < 1:
+        raise BadInput(f"--top {args.top}: at least 1")
     try:
-        bundle = read(folder)
+        preprocessor = classification.read(bundle.folder / bundle.preprocessor)
+        pixels = preprocessor.pixel_values([Path(image) for image in args.images])
+    except classification.ImageRefused as error:
+        raise BadInput(str(error)) from error
+    batches = _batches(pixels, bundle)
+    device = args.device or bundle.device
+    print(
+        f"[classify] {bundle.artifact} on {bundle.runtime} ({device}): {len(args.images)} "
+        f"images of {pixels.shape[2]}x{pixels.shape[3]}, {len(batches)} batch"
+        f"{'es' if len(batches) > 1 else ''}",
+        flush=True,
+    )
+    results = []
+    try:
+        with _loaded(bundle, device) as loaded:
+            for batch in batches:
+                results.append(classification.classify(loaded, preprocessor, batch, args.top))
+    except _LoadFailed as error:
+        print(f"[classify] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    except ArtifactFailed as error:
+        print(f"[classify] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    ranked = [labels for result in results for labels in result.ranked]
+    for image, labels in zip(args.images, ranked, strict=True):
+        print(f"{image}: " + ", ".join(f"{name} {p:.3f}" for name, p in labels))
+    total_ms = sum(result.batch_ms for result in results)
+    calls = f"{len(results)} call{'s' if len(results) > 1 else ''}"
+    print(f"[classify] {len(ranked)} images in {calls}, {total_ms:.1f} ms")
+    return DONE
+
+
+def _read(folder: Path) -> Bundle:
+    """The bundle, every file checked against its manifest."""
+    try:
+        return read(folder)
     except BundleInvalid as error:
         raise BadInput(f"the bundle cannot be read: {error}") from error
+
+
+def _batches(pixels: torch.Tensor, bundle: Bundle) -> list[torch.Tensor]:
+    """The images in batches the artifact takes: at most its largest batch each. Refused where
+    the image processor makes images of a size outside the artifact's bounds (a dynamic size:
+    its live shapes' least and largest; a fixed one: its load or run says)."""
+    for dim, axis in (("height", 2), ("width", 3)):
+        sizes = [shape[dim] for shape in bundle.shapes if dim in shape]
+        if sizes and not min(sizes) <= pixels.shape[axis] <= max(sizes):
+            raise BadInput(
+                f"the bundle's image processor makes images of {dim} {pixels.shape[axis]}, and "
+                f"the artifact takes {min(sizes)}..{max(sizes)}: export with dynamic.{dim} "
+                "bounds that hold it, or save the checkpoint with a processor of that size"
+            )
+    largest = max((shape.get("batch", 1) for shape in bundle.shapes), default=1)
+    return list(pixels.split(largest))
+
+
+def _bundle(folder: Path) -> Bundle:
+    """The bundle, every file checked against its manifest, of a causal LM with a KV cache."""
+    bundle = _read(folder)
     if bundle.runner_metadata.get("use_kv_cache"):
         return bundle
     if bundle.sessions:
@@ -285,6 +370,21 @@ def _parser() -> argparse.ArgumentParser:
         "--device",
         help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
         "cpu for webgpu); default: the job's",
+    )
+    classify_parser = tasks.add_parser(
+        "classify",
+        help="label images with an image classifier exported with its image processor",
+        description="Label image files with an image classifier exported from a checkpoint "
+        "saved with its image processor: each image's most likely labels and their "
+        "probabilities, then the calls' count and time.",
+    )
+    classify_parser.set_defaults(task=_classify, task_name="classify")
+    classify_parser.add_argument("images", nargs="+", help="image files Pillow reads")
+    classify_parser.add_argument(
+        "--top", type=int, default=5, help="the most likely labels printed per image (default 5)"
+    )
+    classify_parser.add_argument(
+        "--device", help="where the artifact runs (as for generate); default: the job's"
     )
     return parser
 

@@ -36,7 +36,7 @@ from exporter.job import localizing
 from exporter.job.cached import CachedWork
 from exporter.job.findings import REPORT_FILE, failure_message, report_payload, write_report
 from exporter.job.timing import Notify, stage
-from exporter.job.values import Decoding, Expected, Lowered, ProgramFile
+from exporter.job.values import Expected, Lowered, ProgramFile, Running
 from exporter.localize import repair
 from exporter.process import memory
 from exporter.quantize import attribution, quality
@@ -77,19 +77,19 @@ def run(
     )
     # The libraries are imported and the MLflow run is open: they last as long as the job.
     memory.spare_survivors()
-    program, expected, state, weights, decoding = sequence.from_model()
+    program, expected, state, weights, running = sequence.from_model()
     sequence.settle()
     lowered = sequence.lowered(program, state, weights)
     sequence.settle()
     if expected is None:
         log.info("[validate] skipped: %s is a report, with nothing to run", lowered.artifact.path)
         return
-    sequence.bundled(lowered.artifact, expected, decoding)
+    sequence.bundled(lowered.artifact, expected, running)
     sequence.validated(lowered, expected)
     if localizing.searches(job.validate.localize, _report(record)):
         sequence.localized(program, expected)
     if not record.passed:
-        lowered = sequence.repaired(program, expected, decoding)
+        lowered = sequence.repaired(program, expected, running)
     sequence.verdict()
     if job.benchmark.enabled:
         sequence.benchmarked(program, expected, lowered)
@@ -119,9 +119,7 @@ class _Sequence:
 
     def from_model(
         self,
-    ) -> tuple[
-        ProgramFile | None, Expected | None, frozenset[str], dict[str, Any], Decoding | None
-    ]:
+    ) -> tuple[ProgramFile | None, Expected | None, frozenset[str], dict[str, Any], Running]:
         """model -> quantize -> export -> goldens (-> attribution): the exported program (None
         for a given artifact), what artifacts are judged against (None where the backend makes
         a report), the model's buffers that its program writes as it runs (a KV cache), for
@@ -164,10 +162,12 @@ class _Sequence:
                 self.attributed(bundle.unquantized, expected)
         # A given artifact's constants are audited against the model's own weights.
         weights = {} if program else models.weights(bundle.module)
-        decoding = None
-        if bundle.decoder is not None:
-            decoding = Decoding(bundle.runner_metadata(), bundle.decoder.tokenizer)
-        return program, expected, _cache_buffers(bundle), weights, decoding
+        running = Running(
+            bundle.runner_metadata(),
+            bundle.decoder.tokenizer if bundle.decoder else None,
+            bundle.preprocessor,
+        )
+        return program, expected, _cache_buffers(bundle), weights, running
 
     def attributed(self, float_bundle: models.ModelBundle, expected: Expected) -> None:
         """quantize.attribution: the quality each layer costs, quantized alone, on the goldens'
@@ -195,12 +195,12 @@ class _Sequence:
         self.record.artifact = lowered.artifact
         return lowered
 
-    def bundled(self, artifact: Artifact, expected: Expected, decoding: Decoding | None) -> None:
+    def bundled(self, artifact: Artifact, expected: Expected, running: Running) -> None:
         """bundle (bundle=on): what a target's check of the artifact needs, in the run dir, and
         what it generates text with where the model is a causal LM with a KV cache."""
         if self.job.bundle:
             with self.timed("bundle"):
-                self.record.bundle = _bundle(self.job, self.record, artifact, expected, decoding)
+                self.record.bundle = _bundle(self.job, self.record, artifact, expected, running)
 
     def validated(self, lowered: Lowered, expected: Expected) -> None:
         """validate: the artifact judged (`judge`), and report.json written."""
@@ -255,7 +255,7 @@ class _Sequence:
         log.info("[localize] %s", "\n".join(record.localization.lines()))
 
     def repaired(
-        self, program: ProgramFile | None, expected: Expected, decoding: Decoding | None
+        self, program: ProgramFile | None, expected: Expected, running: Running
     ) -> Lowered:
         """repair: where validation failed, the program lowered again with the override that
         keeps the diverging op out of the delegate, bundled and validated as the first artifact
@@ -282,7 +282,7 @@ class _Sequence:
             lowered = _lower(program, repaired_job, repaired_backend, self.work)
             record.artifact = lowered.artifact
             if job.bundle:
-                record.bundle = _bundle(job, record, lowered.artifact, expected, decoding)
+                record.bundle = _bundle(job, record, lowered.artifact, expected, running)
             self.judge(lowered, expected)
             first.passed = record.passed
             write_report(record.run_dir, record)
@@ -562,12 +562,12 @@ def _bundle(
     record: JobRecord,
     artifact: Artifact,
     expected: Expected,
-    decoding: Decoding | None,
+    running: Running,
 ) -> bundles.Bundle:
     """bundle/ in the run dir: links to the artifact's files and the goldens (written there
     when the cache is off), and the manifest that runs them on a target as this job will (a
-    model with a KV cache: by its sessions); for a causal LM with a KV cache, its runner
-    metadata and tokenizer, which a target generates text with."""
+    model with a KV cache: by its sessions); what a target runs the model with beside it (a
+    causal LM's runner metadata and tokenizer, an image classifier's image processor)."""
     assert artifact.runtime is not None
     source = {
         "run_id": record.run_id,
@@ -597,8 +597,9 @@ def _bundle(
         expected.tolerances,
         source,
         outline(sessions),
-        decoding.runner_metadata if decoding else None,
-        _tokenizer_saver(decoding),
+        running.runner_metadata,
+        _tokenizer_saver(running),
+        running.preprocessor,
     )
     log.info(
         "[bundle] %s: %s (%.1f MB); check it on a target with: python -m runtimes.check %s",
@@ -610,15 +611,15 @@ def _bundle(
     return written
 
 
-def _tokenizer_saver(decoding: Decoding | None) -> Callable[[Path], object] | None:
+def _tokenizer_saver(running: Running) -> Callable[[Path], object] | None:
     """What writes the checkpoint's tokenizer into a folder as standard files (save_pretrained:
     a GGUF file's vocabulary and chat template too); None where the model has none, or none
     that transformers loads (a checkpoint of weights alone), which only costs the bundle text:
     a target still generates from it with token ids."""
-    if decoding is None or decoding.tokenizer is None:
+    if running.tokenizer is None:
         return None
     try:
-        tokenizer = decoding.tokenizer()
+        tokenizer = running.tokenizer()
     except ConfigError as error:
         reason = " ".join(str(error.__cause__ or error).split())
         log.info(

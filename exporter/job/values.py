@@ -6,7 +6,7 @@ its audit checks (lower), and what a target generates text with beside a causal 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +79,15 @@ class Lowered:
 
 
 @dataclass(frozen=True)
-class Decoding:
-    """What the model stage hands the bundle for a causal LM with a KV cache, once the model
-    itself has gone: what a target generates text with beside the artifact. `runner_metadata`:
-    what an LLM runner reads of the program (the cache's slots, the longest call, the
-    vocabulary, the EOS ids); `tokenizer` loads the checkpoint's tokenizer (ConfigError where
-    transformers cannot), None where the model has no checkpoint."""
+class Running:
+    """What the model stage hands the bundle, once the model itself has gone: what a target
+    runs the model with beside the artifact (`python -m runtimes.run`). A causal LM with a KV
+    cache's `runner_metadata`, what an LLM runner reads of the program (the cache's slots, the
+    longest call, the vocabulary, the EOS ids), and `tokenizer`, which loads the checkpoint's
+    tokenizer (ConfigError where transformers cannot; None where the model has no checkpoint);
+    an image classifier's `preprocessor`, which writes its image processor and labels into a
+    folder. Empty for any other model."""
 
-    runner_metadata: models.RunnerMetadata
-    tokenizer: Callable[[], Any] | None
+    runner_metadata: models.RunnerMetadata = field(default_factory=dict)
+    tokenizer: Callable[[], Any] | None = None
+    preprocessor: Callable[[Path], object] | None = None

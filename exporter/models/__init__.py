@@ -102,6 +102,7 @@ def build(
         decoder=declaration.decoder,
         export_strict=declaration.export_strict,
         file_quantization=declaration.file_quantization,
+        preprocessor=declaration.preprocessor,
     )
 
 

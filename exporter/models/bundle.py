@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +103,8 @@ class ModelBundle:
     # Reads what the checkpoint stored quantized (a GGUF file's codes), for quantize=auto to
     # carry; None: the checkpoint stored floats.
     file_quantization: Callable[[], FileQuantization] | None = None
+    # As ModelDeclaration's.
+    preprocessor: Callable[[Path], object] | None = None
 
     def max_sizes(self) -> dict[str, int]:
         return {dim.name: dim.max for dim in self.dims}
@@ -154,6 +157,9 @@ class ModelDeclaration:
     decoder: Decoder | None = None
     export_strict: bool = False
     file_quantization: Callable[[], FileQuantization] | None = None
+    # Writes into the folder it is given what a target turns raw inputs into the model's with
+    # (an image classifier's image processor, and its labels); None where the model has none.
+    preprocessor: Callable[[Path], object] | None = None
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

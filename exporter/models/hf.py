@@ -85,7 +85,7 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
             architecture = hf_checkpoint.Architecture(found, config.model_type)
             raise architecture.causal_only("model.kv_cache=static", checkpoint)
         if found is HfTask.image_classification:
-            return declare_image_classifier(model)
+            return declare_image_classifier(model, checkpoint)
         return declare_encoder(model, found, max_positions)
     declaration = declare_causal_lm(
         model, max_positions, cache_slots(cfg), functools.partial(load_tokenizer, checkpoint)

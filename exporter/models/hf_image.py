@@ -11,12 +11,18 @@ takes any size in its bounds: `height` and `width` are dynamic too (dynamic=hf_i
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoImageProcessor, PreTrainedModel
 
 from exporter.models.bundle import ModelDeclaration
+from runtimes.classification import LABELS_FILE
+
+# What save_pretrained() writes of an image processor, which from_pretrained() reads.
+PROCESSOR_FILE = "preprocessor_config.json"
 
 
 class ClassLogits(torch.nn.Module):
@@ -40,9 +46,12 @@ def fixed_size(model: PreTrainedModel) -> tuple[int, int] | None:
     return (size, size) if isinstance(size, int) else (size[0], size[1])
 
 
-def declare_image_classifier(model: PreTrainedModel) -> ModelDeclaration:
+def declare_image_classifier(
+    model: PreTrainedModel, checkpoint: Path | None = None
+) -> ModelDeclaration:
     """`model` behind ClassLogits, fed pixel values as an image processor leaves them (about
-    zero mean and unit variance per channel)."""
+    zero mean and unit variance per channel); with the image processor of `checkpoint` where it
+    has one, for a target to classify images with."""
     channels = model.config.num_channels
     size = fixed_size(model)
 
@@ -65,4 +74,22 @@ def declare_image_classifier(model: PreTrainedModel) -> ModelDeclaration:
         # A distribution over the labels, whose predictions (top-1 agreement, KL divergence)
         # validation measures too.
         logits_outputs=("logits",),
+        preprocessor=_processor_writer(checkpoint, model.config.id2label) if checkpoint else None,
     )
+
+
+def _processor_writer(checkpoint: Path, labels: Mapping[int, str]) -> Callable[[Path], None] | None:
+    """What writes the checkpoint's image processor (its save_pretrained files) and the model's
+    labels into a folder; None where the checkpoint was saved without an image processor."""
+    if not (checkpoint / PROCESSOR_FILE).is_file():
+        return None
+
+    def write(folder: Path) -> None:
+        processor = AutoImageProcessor.from_pretrained(
+            checkpoint, local_files_only=True, trust_remote_code=False
+        )
+        processor.save_pretrained(folder)
+        names = {str(index): name for index, name in sorted(labels.items())}
+        (folder / LABELS_FILE).write_text(json.dumps(names, indent=1))
+
+    return write

@@ -10,8 +10,9 @@ executions, or for a model with a KV cache its sessions, the rule and its tolera
 they came from (the job's MLflow run, host and libraries), and every file's size and SHA-256.
 A causal LM with a KV cache also has what a runner generates text with (`python -m runtimes.run
 BUNDLE generate`): what an LLM runner reads of its program, and where the model has one, its
-tokenizer in `tokenizer/` (its files listed in the manifest like the others). Copy the folder
-whole; links are followed.
+tokenizer in `tokenizer/`; an image classifier, where its checkpoint has one, its image processor
+and labels in `preprocessor/` (`classify`). Their files are listed in the manifest like the
+others. Copy the folder whole; links are followed.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ MANIFEST = "manifest.json"
 # runner metadata and tokenizer/ bumped neither: a reader of either format ignores a key it does
 # not know, and verifies the tokenizer's files by their paths as it does every file it lists.
 FORMAT, SESSIONS_FORMAT = 2, 3
-# The folder of the model's tokenizer in a bundle.
-TOKENIZER_DIR = "tokenizer"
+# The folders of the model's tokenizer and of its preprocessor (an image classifier's image
+# processor and labels) in a bundle.
+TOKENIZER_DIR, PREPROCESSOR_DIR = "tokenizer", "preprocessor"
 
 
 class BundleInvalid(Exception):
@@ -77,6 +79,8 @@ class Bundle:
     runner_metadata: Mapping[str, Any] = field(default_factory=dict)
     # The folder of the model's tokenizer (its save_pretrained files), where it has one.
     tokenizer: str | None = None
+    # The folder of the model's preprocessor, where it has one.
+    preprocessor: str | None = None
 
     @property
     def artifact_path(self) -> Path:
@@ -123,18 +127,21 @@ def write(
     sessions: Sequence[Mapping[str, Any]] = (),
     runner_metadata: Mapping[str, Any] | None = None,
     save_tokenizer: Callable[[Path], object] | None = None,
+    save_preprocessor: Callable[[Path], object] | None = None,
 ) -> Bundle:
     """Writes the bundle into `folder` (made or emptied): `artifact_files` first (the artifact,
     then its data file), `goldens` linked where it is a file, saved where it is in memory, the
-    tokenizer where `save_tokenizer` writes it into the folder it is given (its save_pretrained),
-    and the manifest last, so a bundle whose writing stopped has none and is refused. One that
-    fails is removed, NoRoom naming it where its filesystem is full. `sessions` and
-    `runner_metadata`: a model with a KV cache's, as `Bundle` says."""
+    tokenizer and the preprocessor where `save_tokenizer` and `save_preprocessor` write them into
+    the folder each is given (their save_pretrained), and the manifest last, so a bundle whose
+    writing stopped has none and is refused. One that fails is removed, NoRoom naming it where
+    its filesystem is full. `sessions` and `runner_metadata`: a model with a KV cache's, as
+    `Bundle` says."""
     try:
         with room_checked("the bundle", folder):
             folder.mkdir(parents=True, exist_ok=True)
             for stale in folder.iterdir():
-                # The tokenizer's folder, from a bundle the repair stage writes again.
+                # The tokenizer's and preprocessor's folders, from a bundle the repair stage
+                # writes again.
                 if stale.is_dir() and not stale.is_symlink():
                     shutil.rmtree(stale)
                 else:
@@ -144,11 +151,15 @@ def write(
                 placed.append(_link(goldens, folder))
             else:
                 placed.append(stored_goldens.save(goldens, folder))
-            tokenizer = None
-            if save_tokenizer is not None:
-                tokenizer = folder / TOKENIZER_DIR
-                save_tokenizer(tokenizer)
-                placed.extend(sorted(p for p in tokenizer.rglob("*") if p.is_file()))
+            saved = {}
+            for name, save in (
+                (TOKENIZER_DIR, save_tokenizer),
+                (PREPROCESSOR_DIR, save_preprocessor),
+            ):
+                if save is not None:
+                    save(folder / name)
+                    placed.extend(sorted(p for p in (folder / name).rglob("*") if p.is_file()))
+                    saved[name] = name
             bundle = Bundle(
                 folder=folder,
                 runtime=runtime,
@@ -168,7 +179,8 @@ def write(
                 },
                 sessions=tuple(sessions),
                 runner_metadata=dict(runner_metadata or {}),
-                tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
+                tokenizer=saved.get(TOKENIZER_DIR),
+                preprocessor=saved.get(PREPROCESSOR_DIR),
             )
             manifest = {"format": SESSIONS_FORMAT if sessions else FORMAT} | {
                 f.name: getattr(bundle, f.name) for f in fields(Bundle) if f.name != "folder"
@@ -213,6 +225,7 @@ def read(folder: Path) -> Bundle:
             sessions=tuple(manifest.get("sessions", ())),
             runner_metadata=manifest.get("runner_metadata", {}),
             tokenizer=manifest.get("tokenizer"),
+            preprocessor=manifest.get("preprocessor"),
         )
     except BundleInvalid:
         raise
