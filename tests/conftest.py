@@ -61,6 +61,7 @@ LONGEST_FILES = (
     "test_kv_artifacts.py",
     "test_kv_backends.py",
     "test_hf_encoder.py",
+    "test_webgpu_images.py",
     "test_run.py",
     "test_encoder.py",
     "test_outputs.py",

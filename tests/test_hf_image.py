@@ -57,15 +57,18 @@ ARCHITECTURES = {
 SIZED = {"batch": DimBounds(1, 8), "height": DimBounds(64, 224), "width": DimBounds(64, 224)}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each tiny classifier, saved with seeded random weights (safetensors)."""
-    root = tmp_path_factory.mktemp("images")
+def saved_checkpoints(root: Path) -> dict[str, Path]:
+    """Each tiny classifier, saved in `root` with seeded random weights (safetensors)."""
     for name, (cls, config, _) in ARCHITECTURES.items():
         config.num_labels = LABELS
         torch.manual_seed(0)
         cls(config).save_pretrained(root / name)
     return {name: root / name for name in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return saved_checkpoints(tmp_path_factory.mktemp("images"))
 
 
 def job(name: str, checkpoints: dict[str, Path]) -> tuple[str, ...]:

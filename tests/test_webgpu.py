@@ -168,18 +168,20 @@ def test_an_input_above_its_bound_is_refused_with_the_bound(
 
 
 def test_an_op_without_a_kernel_is_refused_when_the_program_loads(tmp_path: Path) -> None:
+    # Lowered by ExecuTorch's own partitioner, which delegates leaky_relu: backend=webgpu's
+    # lowering keeps it on the CPU (tests/test_webgpu_images.py).
     from executorch.backends.webgpu.partitioner import WebGPUPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    class Gelu(torch.nn.Module):
+    class LeakyRelu(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.gelu(x)
+            return torch.nn.functional.leaky_relu(x)
 
-    program = torch.export.export(Gelu(), (torch.randn(4, 8),))
+    program = torch.export.export(LeakyRelu(), (torch.randn(4, 8),))
     edge = to_edge_transform_and_lower(program, partitioner=[WebGPUPartitioner()])
-    path = tmp_path / "gelu.pte"
+    path = tmp_path / "leaky_relu.pte"
     path.write_bytes(edge.to_executorch().buffer)
-    with pytest.raises(UnsupportedOp, match=r"GPU op\(s\) aten\.gelu\.default: no kernel"):
+    with pytest.raises(UnsupportedOp, match=r"GPU op\(s\) aten\.leaky_relu\.default: no kernel"):
         WebgpuProgram(path, "cpu")
 
 

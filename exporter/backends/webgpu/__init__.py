@@ -75,17 +75,19 @@ class Webgpu(Backend):
         # ExecuTorch's version is among the libraries its lowering code imports.
         from exporter.backends.common.executorch_program import announced_policy, lowered_to_pte
         from exporter.backends.common.xnnpack_rewrites import rewritten
+        from exporter.backends.webgpu.dynamic_dims import kept_dynamic
         from exporter.backends.webgpu.partitioner import PolicyPartitioner
 
         partitioner = PolicyPartitioner(announced_policy("WebGPU", fallback, exported))
         program = rewritten(exported.program, WEBGPU_REWRITES)
-        return lowered_to_pte(
-            replace(exported, program=program),
-            partitioner,
-            partitioner.why_on_cpu,
-            self.output(config),
-            out_dir,
-        )
+        with kept_dynamic(exported):
+            return lowered_to_pte(
+                replace(exported, program=program),
+                partitioner,
+                partitioner.why_on_cpu,
+                self.output(config),
+                out_dir,
+            )
 
     def reference_device(self, config: WebgpuConfig) -> str:
         # A WebGPU adapter computes in float32 only, where the CPU's rounding is the model's.

@@ -1,9 +1,11 @@
-"""ExecuTorch's WebGPU partitioner under a fallback policy.
+"""ExecuTorch's WebGPU partitioner under a fallback policy, for this project's WebGPU runtime.
 
 The policy maps onto the partitioner's operator blocklist: every op a node of the program is
-kept off by the policy is blocked. Partitions with fewer compute nodes than
-`fallback.min_block_size` are untagged after partitioning, so they stay on the CPU whole. What
-the partitioner refuses, and its reason, is read from the messages it logs while lowering runs.
+kept off by the policy is blocked, and so is every op that runtimes/loaders/webgpu has no kernel
+for (the partitioner takes what ExecuTorch's native Vulkan runtime runs, which is more). Partitions
+with fewer compute nodes than `fallback.min_block_size` are untagged after partitioning, so they
+stay on the CPU whole. What the partitioner refuses, and its reason, is read from the messages it
+logs while lowering runs.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from exporter.backends.common.executorch_program import delegating
 from exporter.backends.common.policy import Policy, is_compute, op_name
 from exporter.backends.webgpu import pattern_graphs
 from exporter.process import progress
+from runtimes.loaders import webgpu as webgpu_runtime
 
 # The partitioner logs each node it refuses to the root logger, at INFO.
 _REFUSAL = re.compile(
     r"\[Vulkan Partitioner\] Due to \[(?P<reason>.*?)\], skipping .*? = (?P<op>\S+?)\("
 )
+# Its reason for a node of a blocked op that it would otherwise take: the block's own reason
+# says more.
+_BLOCKED = "op is in blocklist"
 
 
 class PolicyPartitioner(Partitioner):
@@ -46,6 +52,8 @@ class PolicyPartitioner(Partitioner):
         self.mutable_buffers: dict[str, str] = {}
         # The ops of the nodes that read them, kept off every delegate.
         self.reader_ops: set[torch._ops.OpOverload] = set()
+        # The program's ops that the runtime has no kernel for, kept off every delegate.
+        self.without_kernel: set[torch._ops.OpOverload] = set()
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -68,6 +76,13 @@ class PolicyPartitioner(Partitioner):
             if reader.op == "call_function"
         }
         blocked |= self.reader_ops
+        # By the op's name, which a delegated node keeps in the payload.
+        self.without_kernel = {
+            node.target
+            for node in exported_program.graph.nodes
+            if is_compute(node) and not webgpu_runtime.has_kernel(op_name(node))
+        }
+        blocked |= self.without_kernel
         result = WebGPUPartitioner(operator_blocklist=list(blocked)).partition(exported_program)
         result = self._without_small_blocks(result)
         progress.doing(delegating(result, "WebGPU"))
@@ -130,9 +145,13 @@ class PolicyPartitioner(Partitioner):
         reasons = self.refusals.get(name, set()) | self.refusals.get(
             name.removeprefix("aten."), set()
         )
+        partitioner = f"WebGPU partitioner: {'; '.join(sorted(reasons - {_BLOCKED}))}"
+        if node.target in self.without_kernel:
+            runtime = "the WebGPU runtime has no kernel for it (runtimes/loaders/webgpu/kernels)"
+            return UNSUPPORTED, runtime if reasons <= {_BLOCKED} else f"{runtime}; {partitioner}"
         if not reasons:
             return UNSUPPORTED, "the WebGPU partitioner took no node of it"
-        return UNSUPPORTED, f"WebGPU partitioner: {'; '.join(sorted(reasons))}"
+        return UNSUPPORTED, partitioner
 
 
 def _mutable_buffers(program: ExportedProgram) -> dict[str, str]:

@@ -98,8 +98,8 @@ class WebgpuProgram:
         if missing:
             refused.append(
                 f"GPU op(s) {', '.join(missing)}: no kernel for them in "
-                "runtimes/loaders/webgpu/kernels "
-                "(lower with them kept off the delegate: fallback.ops)"
+                "runtimes/loaders/webgpu/kernels (lower with the exporter's backend=webgpu, "
+                "which keeps such ops off the delegates)"
             )
         for op in self.plan.operators:
             try:

@@ -12,6 +12,7 @@ from runtimes.loaders.webgpu.kernels import (
     layout,
     matmul,
     reduction,
+    spatial,
     symbolic,
 )
 from runtimes.loaders.webgpu.kernels.base import Gpu, GpuOp, UnsupportedOp
@@ -22,6 +23,7 @@ BUILDERS: dict[str, type[GpuOp]] = {
     **matmul.OPS,
     **reduction.OPS,
     **embedding.OPS,
+    **spatial.OPS,
     **symbolic.OPS,
 }
 

@@ -1,4 +1,4 @@
-"""Element-wise ops: arithmetic, comparisons, logic, unary math, where, fills, casts, arange.
+"""Element-wise ops: arithmetic, comparisons, logic, unary math, gelu, where, fills, casts, arange.
 
 Each op is a row of RULES: which arguments are tensors, which are scalars, how its values are
 computed (the WGSL type the math runs in) and how its output shape follows (broadcast of the
@@ -16,6 +16,7 @@ from runtimes.loaders.webgpu.kernels.base import (
     Gpu,
     GpuOp,
     Recording,
+    UnsupportedOp,
     contiguous_strides,
     live,
     tensor_arg,
@@ -32,6 +33,45 @@ fn powf(x: f32, e: f32) -> f32 {
   return r;
 }
 """
+
+# erf, which WGSL lacks: Norbert Juffa's float erff, an odd polynomial near zero and
+# 1 - exp(polynomial) beyond (within 1.2 ulps of erf on [-6, 6], measured in float32 with fma on
+# the host; tests/test_webgpu_kernels.py measures the gelu made of it on the GPU).
+_ERF = """
+fn erff(a: f32) -> f32 {
+  let t = abs(a);
+  let s = a * a;
+  if (t > 0.927734375) {
+    var r = fma(-1.72853470e-5, t, 3.83197126e-4);
+    let u = fma(-3.88396438e-3, t, 2.42546219e-2);
+    r = fma(r, s, u);
+    r = fma(r, t, -1.06777877e-1);
+    r = fma(r, t, -6.34846687e-1);
+    r = fma(r, t, -1.28717512e-1);
+    r = fma(r, t, -t);
+    return sign(a) * (1.0 - exp(r));
+  }
+  var r = -5.96761703e-4;
+  r = fma(r, s, 4.99119423e-3);
+  r = fma(r, s, -2.67681349e-2);
+  r = fma(r, s, 1.12819925e-1);
+  r = fma(r, s, -3.76125336e-1);
+  r = fma(r, s, 1.28379166e-1);
+  return fma(r, a, a);
+}
+"""
+
+# tanh-GELU; tanh's argument is clamped, where tanh is +-1 in float32 already, so that a tanh
+# computed from exponentials never sees inf / inf (x**3 overflows from |x| ~ 7e12).
+_GELU_TANH = """
+fn gelu_tanh(x: f32) -> f32 {
+  let inner = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+  return 0.5 * x * (1.0 + tanh(clamp(inner, -10.0, 10.0)));
+}
+"""
+
+# WGSL helper functions by the name a body calls them by.
+_HELPERS = {"powf": _POW, "erff": _ERF, "gelu_tanh": _GELU_TANH}
 
 _F32_MAX = 3.4028234663852886e38
 
@@ -119,6 +159,11 @@ RULES: dict[str, Rule] = {
     "dim_order_ops._clone_dim_order.default": _CAST,
     "dim_order_ops._to_dim_order_copy.default": _CAST,
 }
+# gelu by its `approximate` argument.
+GELUS: dict[str, Rule] = {
+    "none": _unary("0.5 * {a} * (1.0 + erff({a} * 0.7071067811865476))"),
+    "tanh": _unary("gelu_tanh({a})"),
+}
 # Ops whose output holds its input's values, converted to the output's type.
 COPIES = tuple(name for name, rule in RULES.items() if rule is _CAST)
 
@@ -152,11 +197,14 @@ def broadcast_strides(dims: Sequence[int], out_dims: Sequence[int]) -> list[int]
 class Elementwise(GpuOp):
     def __init__(self, gpu: Gpu, name: str, args: Sequence[Any]) -> None:
         super().__init__(gpu, name, args)
-        self.rule = RULES[name]
+        self.rule = self.rule_of(name, args)
         self.out = tensor_arg(name, args[-1], "output")
         self.inputs = [tensor_arg(name, args[p], f"argument {p}") for p in self.rule.tensors]
         self.compute = self._compute_type()
         self.dispatch = StridedDispatch(gpu, self._code(), [self.out, *self.inputs])
+
+    def rule_of(self, name: str, args: Sequence[Any]) -> Rule:
+        return RULES[name]
 
     def _scalar_values(self) -> list[Any]:
         return [
@@ -192,7 +240,7 @@ class Elementwise(GpuOp):
         if self.out.host_dtype == "bool" and not self.rule.boolean:
             # A bool output of numbers (a cast, a product of bools) is whether they are nonzero.
             body = f"({body}) != {compute}(0)"
-        helpers = _POW if "powf" in body else ""
+        helpers = "".join(code for function, code in _HELPERS.items() if f"{function}(" in body)
         inputs = [t.wgsl for t in self.inputs]
         return kernel(self.out.wgsl, inputs, f"{self.out.wgsl}({body})", helpers)
 
@@ -217,4 +265,14 @@ class Elementwise(GpuOp):
         self.dispatch.record(recording, dims, operands, scalars)
 
 
-OPS: dict[str, type[GpuOp]] = dict.fromkeys(RULES, Elementwise)
+class Gelu(Elementwise):
+    """gelu(x, approximate): the exact (erf) GELU or its tanh approximation, as the op asks."""
+
+    def rule_of(self, name: str, args: Sequence[Any]) -> Rule:
+        approximate = args[1] if len(args) > 2 else "none"
+        if approximate not in GELUS:
+            raise UnsupportedOp(f"{name} with approximate={approximate!r} (none or tanh)")
+        return GELUS[approximate]
+
+
+OPS: dict[str, type[GpuOp]] = {**dict.fromkeys(RULES, Elementwise), "aten.gelu.default": Gelu}

@@ -1,9 +1,10 @@
-"""Ops that reduce along one dim: softmax, log_softmax, RMS norm, mean, sum, amax.
+"""Ops that reduce along one dim, or several adjacent ones: softmax, log_softmax, RMS norm,
+layer norm, mean, sum, amax.
 
-A row is every element along the reduced dim for one position of the others: with the input
-viewed as [outer, R, inner], row r starts at (r / inner) * R * inner + r % inner and steps by
-inner. One workgroup reduces one row in workgroup memory, then writes the row (softmax, norm)
-or its one value (mean, sum, amax).
+A row is every element along the reduced dims for one position of the others: with the input
+viewed as [outer, R, inner] (R the product of the reduced dims), row r starts at
+(r / inner) * R * inner + r % inner and steps by inner. One workgroup reduces one row in
+workgroup memory, then writes the row (softmax, norms) or its one value (mean, sum, amax).
 
 Parameter words: 0 rows, 1 R, 2 inner, 3 eps (f32).
 """
@@ -95,14 +96,41 @@ _BODIES = {
 }
 
 
-def _code(kind: str) -> str:
-    weight = (
-        "@group(0) @binding(3) var<storage, read> weight: array<f32>;" if kind == "rms_norm" else ""
+def _layer_norm(weight: bool, bias: bool) -> str:
+    """Layer norm's body: two passes over the row (the mean, then the variance around it, which
+    E[x^2] - E[x]^2 would lose to cancellation), then the row normalized, scaled where there is
+    a weight and shifted where there is a bias; and the row's mean and 1 / standard deviation,
+    the op's other outputs."""
+    value = "(x[base + j * inner] - mu) * rstd"
+    value = f"{value} * weight[j]" if weight else value
+    value = f"{value} + bias[j]" if bias else value
+    return (
+        "var acc = 0.0;\n"
+        + _loop("acc = acc + x[base + j * inner];")
+        + _tree("total", _SUM)
+        + "let mu = total / f32(R);\n"
+        + "acc = 0.0;\n"
+        + _loop("let d = x[base + j * inner] - mu; acc = acc + d * d;")
+        + _tree("squares", _SUM)
+        + "let rstd = inverseSqrt(squares / f32(R) + uf(3u));\n"
+        + _loop(f"out0[base + j * inner] = {value};")
+        + "if (lid.x == 0u) { mean[row] = mu; rstd_out[row] = rstd; }"
     )
+
+
+def _code(body: str, written: Sequence[str] = (), read: Sequence[str] = ()) -> str:
+    """A row kernel running `body`: it binds out0 and x, then the f32 tensors named in
+    `written`, then those in `read`."""
+    bindings = [
+        f"@group(0) @binding({k}) var<storage, {access}> {name}: array<f32>;"
+        for k, (name, access) in enumerate(
+            [*((n, "read_write") for n in written), *((n, "read") for n in read)], start=3
+        )
+    ]
     return f"""{PARAMS_WGSL}
 @group(0) @binding(1) var<storage, read_write> out0: array<f32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
-{weight}
+{chr(10).join(bindings)}
 var<workgroup> part: array<f32, {WORKGROUP}>;
 
 @compute @workgroup_size({WORKGROUP})
@@ -113,9 +141,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) groups: 
   let R = u(1u);
   let inner = u(2u);
   let base = (row / inner) * R * inner + row % inner;
-{_BODIES[kind]}
+{body}
 }}
 """
+
+
+def _record_rows(
+    dispatch: Dispatch, recording: Recording, dims: Sequence[int], first: int, last: int, eps: float
+) -> None:
+    """Records a row kernel over `dims`, reducing dims first..last (adjacent)."""
+    reduced = math.prod(dims[first : last + 1])
+    rows = math.prod(dims) // reduced if reduced else 0
+    params = Params()
+    params.u32(0, rows)
+    params.u32(1, reduced)
+    params.u32(2, math.prod(dims[last + 1 :]))
+    params.f32(3, eps)
+    dispatch.record(recording, params, (*grid_1d(rows), 1) if rows else (0, 0, 0))
 
 
 # op name -> (kernel, argument position of the dim (None: the last), of keepdim).
@@ -136,6 +178,7 @@ class Reduction(GpuOp):
         self.input = tensor_arg(name, args[0], "input")
         self.out = tensor_arg(name, args[-1], "output")
         tensors = [self.out, self.input]
+        self.eps = 0.0
         if self.kind == "rms_norm":
             tensors.append(tensor_arg(name, args[1], "weight"))
             self.eps = float(args[2])
@@ -143,33 +186,65 @@ class Reduction(GpuOp):
             raise UnsupportedOp(f"{name} on {[t.host_dtype for t in tensors]} (float32 only)")
         dims = args[dim_at] if dim_at is not None else [-1]
         dims = [dims] if isinstance(dims, int) else list(dims or [])
-        if len(dims) != 1:
-            raise UnsupportedOp(f"{name} over dims {dims} (one dim only)")
-        self.dim = dims[0] % self.input.rank
+        rank = self.input.rank
+        # No dims: all of them, as ATen reads an empty dim list.
+        reduced = sorted({d % rank for d in dims}) if dims else list(range(rank))
+        if reduced != list(range(reduced[0], reduced[-1] + 1)):
+            raise UnsupportedOp(f"{name} over dims {dims} (adjacent dims only)")
+        self.first, self.last = reduced[0], reduced[-1]
         self.keepdim = bool(args[keepdim_at]) if keepdim_at is not None else True
-        self.dispatch = Dispatch(gpu, _code(self.kind), tensors)
+        read = ("weight",) if self.kind == "rms_norm" else ()
+        self.dispatch = Dispatch(gpu, _code(_BODIES[self.kind], read=read), tensors)
 
     def resize(self) -> None:
         dims = list(self.input.dims)
         if self.kind in ("mean", "sum", "amax"):
-            if self.keepdim:
-                dims[self.dim] = 1
-            else:
-                del dims[self.dim]
+            kept = [1] * (self.last + 1 - self.first) if self.keepdim else []
+            dims[self.first : self.last + 1] = kept
         self.out.set_dims(dims, self.name)
 
     def encode(self, recording: Recording) -> None:
-        dims = self.input.dims
-        reduced = dims[self.dim]
-        inner = math.prod(dims[self.dim + 1 :])
-        rows = math.prod(dims) // reduced if reduced else 0
-        params = Params()
-        params.u32(0, rows)
-        params.u32(1, reduced)
-        params.u32(2, inner)
-        if self.kind == "rms_norm":
-            params.f32(3, self.eps)
-        self.dispatch.record(recording, params, (*grid_1d(rows), 1) if rows else (0, 0, 0))
+        _record_rows(self.dispatch, recording, self.input.dims, self.first, self.last, self.eps)
 
 
-OPS: dict[str, type[GpuOp]] = dict.fromkeys(_OPS, Reduction)
+class LayerNorm(GpuOp):
+    """native_layer_norm(x, normalized_shape, weight, bias, eps) -> (out, mean, rstd): each row
+    of x's trailing len(normalized_shape) dims normalized; weight and bias may be None."""
+
+    def __init__(self, gpu: Gpu, name: str, args: Sequence[Any]) -> None:
+        super().__init__(gpu, name, args)
+        self.input = tensor_arg(name, args[0], "input")
+        self.normalized = len(args[1])
+        weight, bias = (
+            None if args[p] is None else tensor_arg(name, args[p], what)
+            for p, what in ((2, "weight"), (3, "bias"))
+        )
+        self.eps = float(args[4])
+        self.out, self.mean, self.rstd = (
+            tensor_arg(name, t, f"output {k}") for k, t in enumerate(args[-1])
+        )
+        affine = [t for t in (weight, bias) if t is not None]
+        tensors = [self.out, self.input, self.mean, self.rstd, *affine]
+        if any(t.wgsl != "f32" for t in tensors):
+            raise UnsupportedOp(f"{name} on {[t.host_dtype for t in tensors]} (float32 only)")
+        read = [what for t, what in ((weight, "weight"), (bias, "bias")) if t is not None]
+        body = _layer_norm(weight is not None, bias is not None)
+        self.dispatch = Dispatch(gpu, _code(body, ("mean", "rstd_out"), read), tensors)
+
+    def resize(self) -> None:
+        dims = list(self.input.dims)
+        self.out.set_dims(dims, self.name)
+        rows = dims[: len(dims) - self.normalized] + [1] * self.normalized
+        self.mean.set_dims(rows, self.name)
+        self.rstd.set_dims(rows, self.name)
+
+    def encode(self, recording: Recording) -> None:
+        rank = self.input.rank
+        first = rank - self.normalized
+        _record_rows(self.dispatch, recording, self.input.dims, first, rank - 1, self.eps)
+
+
+OPS: dict[str, type[GpuOp]] = {
+    **dict.fromkeys(_OPS, Reduction),
+    "aten.native_layer_norm.default": LayerNorm,
+}
