@@ -102,6 +102,7 @@ def test_the_model_stage_refuses_a_kv_cache_for_an_encoder(checkpoints: dict[str
         ("masked_lm", "executorch"),
         ("encoder", "executorch"),
         ("masked_lm", "aoti"),
+        pytest.param("masked_lm", "webgpu", marks=pytest.mark.slow),
     ],
 )
 def test_job_passes_at_every_batch_and_seq_corner(
@@ -126,7 +127,7 @@ def test_job_passes_at_every_batch_and_seq_corner(
     manifest = json.loads((run_dir / "bundle" / "manifest.json").read_text())
     goldens = torch.load(run_dir / "bundle" / "goldens.pt", weights_only=False)
     (ids, mask), (expected,) = goldens["cases"]["batch=8,seq=64"]
-    loaded = runtimes.load(run_dir / manifest["artifact"], manifest["runtime"])
+    loaded = runtimes.load(run_dir / manifest["artifact"], manifest["runtime"], manifest["device"])
     (got,) = loaded.run([ids, mask])
     assert got.shape == (8, 64, width)
     assert int(mask.sum()) < mask.numel()
