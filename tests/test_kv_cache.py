@@ -88,3 +88,25 @@ def test_the_model_goes_once_its_strict_export_has_gone(tmp_path: Path) -> None:
     del bundle, exported
     gc.collect()
     assert [w() for w in weights if w() is not None] == []
+
+
+def test_generation_stops_at_the_configs_eos_and_the_generation_configs_too() -> None:
+    """An instruct model's end of turn is in its generation config (Llama 3's 128009), beside
+    the config's EOS."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from exporter.models.causal_lm import eos_ids
+
+    config = LlamaConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=64,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[5, 2, 9])
+    assert eos_ids(model) == (2, 5, 9)
+    model.generation_config = GenerationConfig()
+    assert eos_ids(model) == (2,)

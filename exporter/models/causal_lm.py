@@ -142,7 +142,7 @@ def declare_causal_lm(
             layers=model.config.get_text_config().num_hidden_layers,
             uncached=LogitsOnly(model).eval(),
             bos_id=model.config.bos_token_id,
-            eos_ids=_eos_ids(model.config.eos_token_id),
+            eos_ids=eos_ids(model),
             # StaticCacheLM's own buffers are its cache's, per layer: keys, values, fill count.
             cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
@@ -230,7 +230,13 @@ def cache_slots(cfg: CausalLmConfig) -> int | None:
     return cfg.max_cache_len if cfg.kv_cache is KvCache.static else None
 
 
-def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    return (eos,) if isinstance(eos, int) else tuple(eos)
+def eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    """The ids generation stops at: the config's EOS, then those its generation config adds (an
+    instruct model's end of turn, which transformers' generate stops at too), each once."""
+    found: list[int] = []
+    generation = getattr(model, "generation_config", None)
+    for eos in (model.config.eos_token_id, getattr(generation, "eos_token_id", None)):
+        for token in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            if token not in found:
+                found.append(token)
+    return tuple(found)
