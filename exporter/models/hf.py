@@ -149,8 +149,8 @@ def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
         )
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(
-            f"model.checkpoint={checkpoint}: validate.prompt needs its tokenizer, which "
-            f"transformers cannot load: {error}"
+            f"model.checkpoint={checkpoint}: transformers cannot load its tokenizer, which "
+            f"validate.prompt and quantize.eval_text encode text with: {error}"
         ) from error
 
 
