@@ -47,6 +47,9 @@ class Preprocessor:
                     opened.append(image.convert("RGB"))
             except (OSError, UnidentifiedImageError) as error:
                 raise ImageRefused(f"{path}: not an image Pillow reads ({error})") from error
+            except Image.DecompressionBombError as error:
+                # More pixels than Pillow decodes unasked: a file made to exhaust memory.
+                raise ImageRefused(f"{path}: refused: {error}") from error
         return self.processor(opened, return_tensors="pt")["pixel_values"].float()
 
 
@@ -61,10 +64,16 @@ def read(folder: Path) -> Preprocessor:
     # warning level in every run: what a target without torchvision is meant to do.
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
-        processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+        processor = AutoImageProcessor.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False
+        )
         labels = json.loads((folder / LABELS_FILE).read_text())
     except (OSError, ValueError) as error:
         raise ImageRefused(f"{folder}: the image processor cannot be read: {error}") from error
+    if not isinstance(labels, dict) or not all(
+        isinstance(name, str) and index.isdigit() for index, name in labels.items()
+    ):
+        raise ImageRefused(f'{folder / LABELS_FILE}: not labels by class index ({{"0": NAME}})')
     return Preprocessor(processor, {int(index): name for index, name in labels.items()})
 
 

@@ -158,3 +158,14 @@ def test_a_processor_beyond_the_artifacts_bounds_exits_2(
     assert completed.returncode == 2
     (line,) = completed.stderr.strip().splitlines()
     assert "makes images of height 256, and the artifact takes 64..224" in line
+
+
+def test_an_image_made_to_exhaust_memory_exits_2_naming_it(bundle: Path, tmp_path: Path) -> None:
+    """A small PNG file of 200 million pixels, past what Pillow decodes unasked."""
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (20_000, 10_000)).save(bomb)
+    assert bomb.stat().st_size < 1_000_000
+    completed = classify(bundle, str(bomb))
+    assert completed.returncode == 2
+    (line,) = completed.stderr.strip().splitlines()
+    assert line.startswith(f"[classify] {bomb}: refused: Image size (200000000 pixels) exceeds")
