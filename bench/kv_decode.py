@@ -18,6 +18,10 @@ AOTInductor package), and `compile:RUN/program.pt2`, the exported program's modu
         --slots 128 --threads 1 2 --rounds 3
     python bench/kv_decode.py ours=aoti:RUN/model.pt2 compiled=compile:RUN/program.pt2 \\
         eager=RUN/program.pt2 --slots 1024 --max-prefill 128 --device cuda
+    python bench/kv_decode.py ... --slots 2048 --max-prefill 1 --prefills 128 1024
+
+`--prefills` times prompts of other lengths than the cache is filled with (each within the
+program's seq bound: export with `dynamic.seq.max` at least the longest).
 
 Each figure is the median over `--rounds` rounds of each round's median; `spread` is the
 largest round median over the smallest, of the first artifact. `vs NAME`: that artifact's
@@ -80,6 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-prefill", type=int, help="the longest prefill all take (default: slots - 1)"
     )
+    parser.add_argument(
+        "--prefills",
+        type=int,
+        nargs="+",
+        help="the prompt lengths timed (default: 1, the middle and --max-prefill); the cache "
+        "is filled before decode steps by prefills of at most --max-prefill tokens",
+    )
     parser.add_argument("--vocab", type=int, default=512, help="token ids drawn below it")
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=3)
@@ -88,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the artifacts run: cpu or cuda")
     args = parser.parse_args(argv)
     longest = args.max_prefill or args.slots - 1
-    lengths = sorted({1, (1 + longest) // 2 | 1, longest})
+    lengths = sorted(set(args.prefills or (1, (1 + longest) // 2 | 1, longest)))
+    if lengths[0] < 1 or lengths[-1] >= args.slots:
+        parser.error(f"--prefills: lengths from 1 to {args.slots - 1} (the cache's slots - 1)")
     fills = decode_fills(1, args.slots)
     tokens = torch.randint(0, args.vocab, (args.slots,), generator=torch.Generator().manual_seed(0))
     labels = [name for name, _, _ in args.artifacts]
