@@ -39,7 +39,7 @@ def planted_node(model: str, folder: Path, at: str) -> str:
     """The rsqrt of the last (or first) layer's post-attention norm in the model's exported
     program."""
     job = config.to_job(composed(f"model={model}"))
-    program = export.run(models.build(job.model, job.dynamic), job.export.on_failure, folder)
+    program = export.run(models.build(job.model, job.dynamic), job.export, folder)
     norms = [
         node.name
         for node in tensor_nodes(program.program)

@@ -82,7 +82,7 @@ def main(overrides: list[str]) -> dict[str, list[str]]:
     with tempfile.TemporaryDirectory() as out:
         exported = stage(
             "export",
-            lambda: export.run(bundle, job.export.on_failure, Path(out)),
+            lambda: export.run(bundle, job.export, Path(out)),
             lambda: export_material,
         )
         stage(

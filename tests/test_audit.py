@@ -47,7 +47,7 @@ def lowered(out_dir: Path, *overrides: str) -> tuple[Weights, Artifact]:
     """The artifact, and what the job's audit is given: the exported program's parameters,
     buffers and constants by name."""
     job = composed(*overrides)
-    exported = export.run(models.build(job.model, job.dynamic), job.export.on_failure, out_dir)
+    exported = export.run(models.build(job.model, job.dynamic), job.export, out_dir)
     weights = {**exported.program.state_dict, **exported.program.constants}
     return weights, backends.configured(job).lower(exported, out_dir)
 

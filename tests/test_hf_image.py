@@ -17,6 +17,7 @@ import runtimes
 from exporter import models
 from exporter.config import DimBounds
 from exporter.errors import ConfigError
+from exporter.export import ExportDiagnosed
 from exporter.models import DynamicDim
 from exporter.models.hf_image import ClassLogits
 from exporter.validate.plan import plan
@@ -220,4 +221,33 @@ def test_a_causal_lms_setting_is_refused_for_an_image_classifier(
         f"model.kv_cache=static: model.checkpoint={checkpoint} is an image classifier "
         "(model_type 'vit', task image_classification); model.kv_cache=static is a causal "
         "LM's alone." in output
+    )
+
+
+def test_convnext_in_bfloat16_exports_with_its_guards_checked_at_run_time(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """torch 2.14 cannot prove the guards that ConvNeXt's layer norm over permuted bfloat16
+    features puts on the image's size; the export fails naming export.guards=runtime, with which
+    the AOTInductor package passes at every live shape."""
+    overrides = (*job("convnext", checkpoints), "backend=aoti", "model.dtype=bfloat16")
+    with pytest.raises(ExportDiagnosed) as failed:
+        job_in_process(tmp_path / "proved", *overrides)
+    assert failed.value.diagnosis.failures
+    assert {failure.kind for failure in failed.value.diagnosis.failures} == {"guard added"}
+    assert "export.guards=runtime checks it when the program runs" in str(failed.value)
+    record, report = job_in_process(tmp_path / "run", *overrides, "export.guards=runtime")
+    assert record.exit_code == 0, record.error
+    assert len(report["shapes"]) == 13 and all(shape["passed"] for shape in report["shapes"])
+
+
+def test_guards_checked_at_run_time_are_refused_where_executorch_lowers(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    output = refused_before_torch_loads(
+        tmp_path, *job("convnext", checkpoints), "mlflow=off", "export.guards=runtime"
+    )
+    assert (
+        "export.guards=runtime: backend=executorch cannot lower a program whose guards are "
+        "checked at run time" in output
     )

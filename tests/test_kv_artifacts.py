@@ -71,7 +71,7 @@ def lowered(
     bundle = models.build(job.model, job.dynamic)
     if plant:
         plant(bundle.module)
-    exported = export.run(bundle, job.export.on_failure, out_dir)
+    exported = export.run(bundle, job.export, out_dir)
     return backends.configured(job).lower(exported, out_dir)
 
 
@@ -168,7 +168,7 @@ def test_a_cache_write_that_forgets_is_named_at_the_step_where_it_shows(tmp_path
     (judged from empty buffers, eager's write would agree with the planted one)."""
     job = composed("backend=eager", *SMALL)
     bundle = models.build(job.model, job.dynamic)
-    export.run(bundle, job.export.on_failure, tmp_path)
+    export.run(bundle, job.export, tmp_path)
     (seq,) = bundle.dims
     planned = sessions.plan(bundle.decoder, seq, job.validate.sampled_positions, 0)
     expected = sessions.compute(bundle, planned, 0, "cpu")
@@ -230,7 +230,7 @@ def test_a_given_pte_bounded_below_the_plan_is_judged_within_its_bounds(tmp_path
     where a longer call would stop its runtime."""
     job = composed("backend=executorch", *SMALL[:-1], "dynamic.seq.max=8")
     bundle = models.build(job.model, job.dynamic, backends.configured(job).llm_ops)
-    exported = export.run(bundle, job.export.on_failure, tmp_path / "short")
+    exported = export.run(bundle, job.export, tmp_path / "short")
     short = backends.configured(job).lower(exported, tmp_path / "short").path
     run_dir = tmp_path / "judged"
     completed = run_command(

@@ -45,7 +45,7 @@ def test_sessions_reach_the_last_slot_and_pass(tmp_path: Path) -> None:
 def test_the_cache_refuses_positions_past_its_end_or_out_of_order(tmp_path: Path) -> None:
     job = composed("backend=eager", *SMALL)
     bundle = models.build(job.model, job.dynamic)
-    exported = export.run(bundle, job.export.on_failure, tmp_path)
+    exported = export.run(bundle, job.export, tmp_path)
     cache = Cache(load(exported.path, "eager"), slots=16)
     (logits,) = cache.call(torch.zeros(1, 15, dtype=torch.long), 0)
     assert logits.shape == (1, 15, 512)
@@ -84,7 +84,7 @@ def test_the_model_goes_once_its_strict_export_has_gone(tmp_path: Path) -> None:
     bundle = models.build(job.model, job.dynamic)
     assert bundle.export_strict
     weights = [weakref.ref(p) for p in bundle.module.parameters()]
-    exported = export.run(bundle, job.export.on_failure, tmp_path)
+    exported = export.run(bundle, job.export, tmp_path)
     del bundle, exported
     gc.collect()
     assert [w() for w in weights if w() is not None] == []

@@ -35,7 +35,7 @@ def lowered(out_dir: Path, *overrides: str) -> Path:
     job = composed("backend=executorch", *SMALL, *overrides)
     backend = backends.configured(job)
     bundle = models.build(job.model, job.dynamic, backend.llm_ops)
-    exported = export.run(bundle, job.export.on_failure, out_dir)
+    exported = export.run(bundle, job.export, out_dir)
     return backend.lower(exported, out_dir).path
 
 
@@ -128,7 +128,7 @@ def exported_with_llm_ops(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     """The small model's exported program with the LLM ops, which two tests read."""
     job = composed("backend=executorch", *SMALL)
     bundle = models.build(job.model, job.dynamic, LlmOps.custom)
-    return export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("exported"))
+    return export.run(bundle, job.export, tmp_path_factory.mktemp("exported"))
 
 
 def test_the_search_runs_the_llm_ops_in_float64(exported_with_llm_ops: Exported) -> None:

@@ -76,7 +76,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelBundle, Export
 
     job = config.to_job(composed("model=llama"))
     bundle = models.build(job.model, job.dynamic)
-    exported = export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("llama"))
+    exported = export.run(bundle, job.export, tmp_path_factory.mktemp("llama"))
     return bundle, exported.program
 
 
@@ -86,7 +86,7 @@ def chain_program(tmp_path_factory: pytest.TempPathFactory) -> ExportedProgram:
 
     job = config.to_job(composed("model=rms_norm_chain"))
     bundle = models.build(job.model, job.dynamic)
-    return export.run(bundle, job.export.on_failure, tmp_path_factory.mktemp("chain")).program
+    return export.run(bundle, job.export, tmp_path_factory.mktemp("chain")).program
 
 
 def test_a_cut_program_returns_the_nodes_it_was_cut_after(chain_program: ExportedProgram) -> None:

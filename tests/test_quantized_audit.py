@@ -34,7 +34,7 @@ def lowered(out_dir: Path, *overrides: str) -> tuple[Weights, Artifact]:
     program's weights (torchao's quantized tensors among them)."""
     job = composed(*LLAMA, *overrides)
     bundle = quantize.quantized(models.build(job.model, job.dynamic), job.quantize)
-    exported = export.run(bundle, job.export.on_failure, out_dir)
+    exported = export.run(bundle, job.export, out_dir)
     weights = {**exported.program.state_dict, **exported.program.constants}
     return weights, backends.configured(job).lower(exported, out_dir)
 

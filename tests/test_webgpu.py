@@ -41,7 +41,7 @@ def composed(*overrides: str) -> config.JobConfig:
 def lowered(out_dir: Path, *overrides: str) -> tuple[ModelBundle, Artifact]:
     job = composed(*overrides)
     bundle = models.build(job.model, job.dynamic)
-    exported = export.run(bundle, job.export.on_failure, out_dir)
+    exported = export.run(bundle, job.export, out_dir)
     return bundle, backends.configured(job).lower(exported, out_dir)
 
 

@@ -114,7 +114,7 @@ def test_an_op_the_runtime_has_no_kernel_for_runs_on_the_cpu_between_delegates(
 
 def test_a_dynamic_dim_the_lowering_fixes_is_refused_by_name(tmp_path: Path) -> None:
     job = composed("model=rms_norm")
-    exported = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+    exported = export.run(models.build(job.model, job.dynamic), job.export, tmp_path)
     (seq,) = dim_sizes(exported).values()
     squeeze = SqueezeUnsqueezeInputs.should_squeeze
     refusal = r"fixed dynamic seq at 128: .* \(dynamic\.seq\.min=128 dynamic\.seq\.max=128\)"
@@ -129,7 +129,7 @@ def test_a_dynamic_dim_the_lowering_fixes_is_refused_by_name(tmp_path: Path) -> 
 
 def test_the_squeeze_pass_asks_nothing_of_a_symbolic_size_while_lowering(tmp_path: Path) -> None:
     job = composed("model=rms_norm")
-    exported = export.run(models.build(job.model, job.dynamic), job.export.on_failure, tmp_path)
+    exported = export.run(models.build(job.model, job.dynamic), job.export, tmp_path)
     (seq,) = dim_sizes(exported).values()
     with kept_dynamic(exported):
         squeeze = SqueezeUnsqueezeInputs()

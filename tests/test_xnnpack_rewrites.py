@@ -13,7 +13,7 @@ from torch.export import Dim
 
 from exporter import backends, config, export, models
 from exporter.backends.common.xnnpack_rewrites import for_xnnpack
-from exporter.config import DimBounds, ExportFailurePolicy, ModelDtype
+from exporter.config import DimBounds, ExportConfig, ModelDtype
 from exporter.export import Exported
 from runtimes.loaders import executorch as executorch_runtime
 from tests.conftest import CONF_DIR
@@ -25,7 +25,7 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 def exported_llama(out_dir: Path, **overrides: object) -> tuple[models.ModelBundle, Exported]:
     bundle = models.build(small_llama(**overrides), SEQ)
-    return bundle, export.run(bundle, ExportFailurePolicy.fail, out_dir)
+    return bundle, export.run(bundle, ExportConfig(), out_dir)
 
 
 def calls(program: torch.export.ExportedProgram, target: object) -> int:

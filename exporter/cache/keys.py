@@ -95,6 +95,7 @@ def export(job: JobConfig, model_material: dict[str, Any]) -> dict[str, Any]:
         "model": model_material,
         "dynamic": {name: [b.min, b.max, b.mode.value] for name, b in sorted(job.dynamic.items())},
         "on_failure": job.export.on_failure.value,
+        "guards": job.export.guards.value,
         "code": code_of(["exporter.export"]),
     }
 

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from exporter.config.backend import BackendConfig, FallbackConfig
-from exporter.config.model import CausalLmConfig, DimBounds, ExportConfig, KvCache, ModelConfig
+from exporter.config.model import (
+    CausalLmConfig,
+    DimBounds,
+    ExportConfig,
+    GuardPolicy,
+    KvCache,
+    ModelConfig,
+)
 from exporter.config.quantize import QuantizeConfig, QuantScheme
 from exporter.config.tracking import MlflowConfig
 from exporter.config.validate import DEFAULT_FACTORS, BenchmarkConfig, ValidateConfig
@@ -47,6 +54,13 @@ class JobConfig:
             )
         self._check_quantize()
         self._check_dynamic()
+        if self.export.guards is GuardPolicy.runtime and not self.backend.runtime_guards:
+            raise ConfigError(
+                f"export.guards=runtime: backend={self.backend.name} cannot lower a program "
+                "whose guards are checked at run time (ExecuTorch's edge dialect refuses the "
+                "arithmetic that computes them); backend=aoti and backend=eager can, or narrow "
+                "the dynamic bounds to where export proves the guards (export.guards=prove)."
+            )
         for size in self.validate.extra_shapes:
             for name, bounds in self.dynamic.items():
                 if not bounds.min <= size <= bounds.max:

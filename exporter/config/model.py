@@ -180,9 +180,21 @@ class ExportFailurePolicy(Enum):
     draft = "draft"
 
 
+class GuardPolicy(Enum):
+    """What export does with a guard on a dynamic size that it cannot prove for every size in
+    the bounds (`export.guards`): `prove` fails the export, naming the guard and its line;
+    `runtime` makes it an assert the program checks when it runs, which validation's live
+    shapes (the bounds' corners among them) then exercise."""
+
+    prove = "prove"
+    runtime = "runtime"
+
+
 @dataclass
 class ExportConfig:
     """`on_failure=fail`: a failed torch.export ends the job (exit 3) with draft_export's
-    diagnosis; `draft`: the job goes on with draft_export's program, tagged as a draft."""
+    diagnosis; `draft`: the job goes on with draft_export's program, tagged as a draft.
+    `guards`: GuardPolicy."""
 
     on_failure: ExportFailurePolicy = ExportFailurePolicy.fail
+    guards: GuardPolicy = GuardPolicy.prove

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
-from exporter.config import ExportFailurePolicy
+from exporter.config import ExportConfig, ExportFailurePolicy, GuardPolicy
 from exporter.errors import ExportFailed
 from exporter.export import shapes
 from exporter.export.diagnosis import Diagnosis, diagnose
@@ -55,7 +55,7 @@ class Exported:
     runner_metadata: RunnerMetadata = field(default_factory=dict)
 
 
-def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> Exported:
+def run(bundle: ModelBundle, settings: ExportConfig, out_dir: Path) -> Exported:
     example = bundle.make_inputs(bundle.max_sizes(), 0)
     bounds = ", ".join(
         f"{d.name} in [{d.min}, {d.max}] ({'static' if d.is_static else d.mode.value})"
@@ -73,11 +73,12 @@ def run(bundle: ModelBundle, on_failure: ExportFailurePolicy, out_dir: Path) -> 
                 example,
                 dynamic_shapes=shapes.spec(bundle),
                 strict=bundle.export_strict,
+                prefer_deferred_runtime_asserts_over_guards=settings.guards is GuardPolicy.runtime,
             )
     except Exception as error:
         log.info("[export] torch.export failed; diagnosing with torch.export.draft_export")
         diagnosis, program = diagnose(bundle, example, error)
-        if on_failure is ExportFailurePolicy.fail or program is None:
+        if settings.on_failure is ExportFailurePolicy.fail or program is None:
             raise ExportDiagnosed(diagnosis) from error
         narrowing = shapes.narrowed(program, bundle)
         if narrowing:

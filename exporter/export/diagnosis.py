@@ -318,7 +318,8 @@ def _failure(kind: FailureType, data: dict[str, Any], dims: dict[tuple[str, int]
             GUARD_ADDED,
             f"the guard `{data['expr']}` was added on {', '.join(guarded) or 'a size'}",
             "make the line hold for every size in the declared bounds, or narrow the bounds "
-            "(dynamic.<dim>.min/max) to where it holds.",
+            "(dynamic.<dim>.min/max) to where it holds; where it holds for every size and "
+            "export cannot prove it, export.guards=runtime checks it when the program runs.",
             location,
             tuple(guarded),
         )

@@ -147,4 +147,4 @@ def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Pat
     bundle = models.build(job.model, job.dynamic, backend.llm_ops)
     if job.quantize.enabled:
         bundle = quantize.quantized(bundle, job.quantize, backend.group_scales)
-    return export.run(bundle, job.export.on_failure, work_dir)
+    return export.run(bundle, job.export, work_dir)

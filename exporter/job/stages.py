@@ -396,7 +396,7 @@ def _export(
     material = cache_keys.export(job, model_material)
 
     def build(out: Path) -> None:
-        export.run(bundle, job.export.on_failure, out)
+        export.run(bundle, job.export, out)
 
     with work.built("export", material, build) as folder:
         link_files(folder, work.run_dir)
