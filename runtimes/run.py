@@ -333,8 +333,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("bundle", help="the bundle folder (a job's run dir has it as bundle/)")
     tasks = parser.add_subparsers(title="tasks", required=True, metavar="TASK")
+    # What every task takes.
+    on_device = argparse.ArgumentParser(add_help=False)
+    on_device.add_argument(
+        "--device",
+        help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
+        "cpu for webgpu); default: the job's",
+    )
     generate_parser = tasks.add_parser(
         "generate",
+        parents=[on_device],
         help="continue a prompt with a causal LM exported with model.kv_cache=static",
         description="Continue a prompt with a causal LM exported with model.kv_cache=static, "
         "printing the new tokens as they come, then the prompt's and new tokens' counts, the "
@@ -366,13 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     generate_parser.add_argument(
         "--seed", type=int, help="seed the sampling (default: drawn, and printed with the figures)"
     )
-    generate_parser.add_argument(
-        "--device",
-        help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
-        "cpu for webgpu); default: the job's",
-    )
     classify_parser = tasks.add_parser(
         "classify",
+        parents=[on_device],
         help="label images with an image classifier exported with its image processor",
         description="Label image files with an image classifier exported from a checkpoint "
         "saved with its image processor: each image's most likely labels and their "
@@ -382,9 +386,6 @@ def _parser() -> argparse.ArgumentParser:
     classify_parser.add_argument("images", nargs="+", help="image files Pillow reads")
     classify_parser.add_argument(
         "--top", type=int, default=5, help="the most likely labels printed per image (default 5)"
-    )
-    classify_parser.add_argument(
-        "--device", help="where the artifact runs (as for generate); default: the job's"
     )
     return parser
 
