@@ -31,7 +31,7 @@ class AotiConfig(BackendConfig):
     """`device=cuda` compiles Triton kernels for the GPU this machine has."""
 
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    runtime_guards: ClassVar[bool] = True
+    runtime_guards_refusal: ClassVar[str] = ""
     # torchao's quantized layers run as PyTorch computes them (Inductor compiles the
     # dequantization into its kernels).
     quant_schemes: ClassVar[tuple[QuantScheme, ...]] = tuple(QuantScheme)

@@ -44,10 +44,9 @@ class BackendConfig:
     embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = (EmbeddingQuant.none,)
     # Why it runs no other: what the refusal of another quotes.
     quant_refusal: ClassVar[str] = ""
-    # Whether it lowers a program whose unproven guards are asserts checked at run time
-    # (export.guards=runtime): ExecuTorch's edge dialect refuses the symbolic arithmetic that
-    # computes them, which its decomposition puts back however often they are removed.
-    runtime_guards: ClassVar[bool] = False
+    # Why it does not lower a program whose unproven guards are asserts checked at run time
+    # (export.guards=runtime); empty where it does.
+    runtime_guards_refusal: ClassVar[str] = "no job has lowered such a program with it yet"
 
     name: str = MISSING
     atol: float = MISSING

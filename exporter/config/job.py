@@ -54,12 +54,13 @@ class JobConfig:
             )
         self._check_quantize()
         self._check_dynamic()
-        if self.export.guards is GuardPolicy.runtime and not self.backend.runtime_guards:
+        refusal = self.backend.runtime_guards_refusal
+        if self.export.guards is GuardPolicy.runtime and refusal:
             raise ConfigError(
                 f"export.guards=runtime: backend={self.backend.name} cannot lower a program "
-                "whose guards are checked at run time (ExecuTorch's edge dialect refuses the "
-                "arithmetic that computes them); backend=aoti and backend=eager can, or narrow "
-                "the dynamic bounds to where export proves the guards (export.guards=prove)."
+                f"whose guards are checked at run time ({refusal}); backend=aoti and "
+                "backend=eager can, or narrow the dynamic bounds to where export proves the "
+                "guards (export.guards=prove)."
             )
         for size in self.validate.extra_shapes:
             for name, bounds in self.dynamic.items():

@@ -30,6 +30,11 @@ class WebgpuConfig(BackendConfig):
     devices: ClassVar[tuple[str, ...]] = ("auto", "gpu", "cpu")
     # The runtime's WGSL kernels compute in f32.
     dtypes: ClassVar[tuple[ModelDtype, ...]] = (ModelDtype.float32,)
+    # ExecuTorch's edge dialect refuses the symbolic arithmetic that computes the asserts, which
+    # its decomposition puts back however often they are removed.
+    runtime_guards_refusal: ClassVar[str] = (
+        "ExecuTorch's edge dialect refuses the arithmetic that computes them"
+    )
     quant_refusal: ClassVar[str] = (
         "Its WGSL kernels are float32 ones, with none for torchao's quantize and dequantize "
         "ops or an integer matrix product."
