@@ -260,8 +260,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--quantize",
         default="int4_weight,auto",
-        help="comma-separated quantize schemes, each one more case per model: aoti, bfloat16, "
-        "no KV cache ('' for none); auto plans with torchao's weight-only layers on cuda",
+        help="comma-separated quantize schemes, each one more case per model and KV cache: "
+        "aoti, bfloat16 ('' for none); both compute with CUDA's int4 kernel",
     )
     parser.add_argument("--webgpu-bundle", type=Path, help="a WebGPU bundle to check on Vulkan")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gpu-check"))
@@ -277,12 +277,13 @@ def main(argv: list[str]) -> int:
         Case(model, backend, dtype, kv_cache)
         for model in args.models.split(",")
         for kv_cache in args.kv_caches.split(",")
-        for backend in args.backends.split(",")
+        for backend in filter(None, args.backends.split(","))
         for dtype in args.dtypes.split(",")
     ]
     cases += [
-        Case(model, "aoti", "bfloat16", quantize=scheme)
+        Case(model, "aoti", "bfloat16", kv_cache, quantize=scheme)
         for model in args.models.split(",")
+        for kv_cache in args.kv_caches.split(",")
         for scheme in filter(None, args.quantize.split(","))
     ]
     for case in cases:

@@ -15,8 +15,11 @@ A form is the parameter as a backend may store it: as is, cast (float32 for a ha
 weight XNNPACK computes in float32, int32 for an int64 one Vulkan downcasts), transposed (2-D),
 or channels-last (a 4-D convolution weight XNNPACK stores NHWC). A quantized weight is matched
 as its parts (exporter/audit/quantized.py), whose forms are their own: int4 values packed two
-per byte, scales rounded to bfloat16 (XNNPACK's per-group scales). Every comparison is exact:
-each form is a cast that rounds nothing a backend did not round itself, or a permutation.
+per byte, scales rounded to bfloat16 (XNNPACK's per-group scales). A weight of PyTorch's int4
+kernel for the CPU may be stored in the tiles of CUDA's (AOTInductor on CUDA repacks it:
+runtimes/int4_kernels.py), under its own name or beside it under
+`int4_kernels.CUDA_SUFFIX`: a permutation of its 4-bit codes. Every comparison is exact: each
+form is a cast that rounds nothing a backend did not round itself, or a permutation.
 
 What is left then, parameters that no constant holds and unnamed constants that hold no
 parameter, is paired by dtype and shape (under one of the parameter's forms), and only where
@@ -41,6 +44,7 @@ import torch
 from exporter.audit import quantized
 from exporter.audit.quantized import SCALE, VALUES, QuantizedPart
 from exporter.audit.result import SHOWN, Checked, Corrupted, Mismatch, Unseen
+from runtimes import int4_kernels
 
 # A constant an unexplained one is paired with by agreement must agree on more than this.
 _MOST_AGREE = 0.5
@@ -70,11 +74,14 @@ class Form:
     dtype: torch.dtype
     permutation: tuple[int, ...] | None
     packed: bool = False
+    cuda_tiles: bool = False
 
     def describe(self, parameter: torch.Tensor) -> str:
         """The transformation, e.g. "float32 cast, transpose"; empty for the parameter as is."""
         steps = []
-        if self.packed:
+        if self.cuda_tiles:
+            steps.append("int4 repacked in CUDA's tiles")
+        elif self.packed:
             steps.append("int4 packed two per byte, offset by 8")
         elif self.dtype != parameter.dtype and _rounds(parameter.dtype, self.dtype):
             steps.append(f"rounded to {str(self.dtype).removeprefix('torch.')}")
@@ -87,6 +94,10 @@ class Form:
         return ", ".join(steps)
 
     def apply(self, parameter: torch.Tensor) -> torch.Tensor:
+        if self.cuda_tiles:
+            # By CUDA's own packing where a GPU is, as the lowering packed it.
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            return int4_kernels.for_cuda(parameter.detach().to(device)).cpu()
         value = parameter.detach().cpu()
         if self.packed:
             return _packed_int4(value)
@@ -98,6 +109,9 @@ class Form:
     def unstored(self, stored: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
         """The stored tensor (of this form's shape) back in the parameter's layout, in this
         form's dtype (unpacked values in the parameter's)."""
+        if self.cuda_tiles:
+            rows, half = parameter.shape
+            return int4_kernels.from_cuda(stored, rows, half * 2)
         if self.packed:
             low, high = (stored & 0xF).to(torch.int8) - 8, (stored >> 4).to(torch.int8) - 8
             return torch.stack((low, high), dim=-1).reshape(stored.shape[0], -1)[
@@ -111,10 +125,12 @@ class Form:
     def cast(self, parameter: torch.Tensor) -> torch.Tensor:
         """The parameter in its own layout, in the dtype `unstored` gives."""
         value = parameter.detach().cpu()
-        return value if self.packed else value.to(self.dtype)
+        return value if self.packed or self.cuda_tiles else value.to(self.dtype)
 
     def shape(self, parameter: torch.Tensor) -> tuple[int, ...]:
         dims = tuple(parameter.shape)
+        if self.cuda_tiles:
+            return int4_kernels.cuda_shape(dims[0], dims[1] * 2)
         if self.packed:
             return dims[0], (dims[1] + 1) // 2
         return tuple(dims[d] for d in self.permutation) if self.permutation else dims
@@ -158,7 +174,20 @@ def forms(parameter: torch.Tensor, part: QuantizedPart | None = None) -> list[Fo
         permutations.append((1, 0))
     if parameter.dim() == 4:
         permutations.append((0, 2, 3, 1))
-    return [Form(d, p) for d in dtypes for p in permutations]
+    found = [Form(d, p) for d in dtypes for p in permutations]
+    if _int4_packing_for_cpu(parameter):
+        found.append(Form(torch.int32, None, cuda_tiles=True))
+    return found
+
+
+def _int4_packing_for_cpu(parameter: torch.Tensor) -> bool:
+    """Whether the parameter could be codes in the CPU int4 kernel's packing [out, in // 2]
+    (rows in its blocks, a row of whole groups: int4_kernels.holds)."""
+    return (
+        parameter.dtype == torch.uint8
+        and parameter.dim() == 2
+        and int4_kernels.holds(parameter.shape[0], parameter.shape[1] * 2)
+    )
 
 
 def fits(constant: Constant, form: Form, parameter: torch.Tensor) -> bool:
@@ -215,6 +244,8 @@ def audit_constants(
     unexplained: list[Constant] = []
     for constant in constants:
         name = stored_names.get(constant.name or "", constant.name)
+        if name is not None and name not in tensors:
+            name = name.removesuffix(int4_kernels.CUDA_SUFFIX)
         if name is not None and name in tensors:
             _compare_named(name, constant, tensors[name], parts.get(name), checked, mismatched)
             _pages_released(constant.data)

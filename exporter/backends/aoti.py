@@ -33,9 +33,11 @@ class AotiConfig(BackendConfig):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     runtime_guards_refusal: ClassVar[str] = ""
     # torchao's quantized layers run as PyTorch computes them (Inductor compiles the
-    # dequantization into its kernels).
+    # dequantization into its kernels); int4_weight and quantize=auto's layers through
+    # PyTorch's int4 kernel.
     quant_schemes: ClassVar[tuple[QuantScheme, ...]] = tuple(QuantScheme)
     embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = tuple(EmbeddingQuant)
+    int4_weight_packed: ClassVar[bool] = True
 
     name: str = "aoti"
     atol: float = 1.0e-4
@@ -43,11 +45,9 @@ class AotiConfig(BackendConfig):
     device: str = "cpu"
 
     def quantize_recipes(self) -> tuple[str, ...]:
-        # On the CPU, PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit
-        # codes); on CUDA, torchao's weight-only layers.
-        if self.device == "cpu":
-            return ("int4_g128", "int4", "int8", "float")
-        return ("int4_weight", "int8_weight", "float")
+        # PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit codes): the
+        # CPU's, repacked for CUDA's on CUDA (runtimes/int4_kernels.py).
+        return ("int4_g128", "int4", "int8", "float")
 
 
 class Aoti(Backend):
@@ -83,6 +83,7 @@ class Aoti(Backend):
         from torch.export.passes import move_to_device_pass
 
         from exporter.backends.common import torch_device
+        from runtimes import int4_kernels
 
         if fallback.ops or fallback.min_block_size > 1:
             log.warning(
@@ -94,6 +95,7 @@ class Aoti(Backend):
         program = exported.program
         if config.device != "cpu":
             program = move_to_device_pass(program, torch_device.indexed(config.device))
+            program = int4_kernels.program_for_cuda(program)
         target = self.output(config)
         path = out_dir / target.file
         with atomic_path(path) as temporary:

@@ -44,6 +44,9 @@ class BackendConfig:
     embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = (EmbeddingQuant.none,)
     # Why it runs no other: what the refusal of another quotes.
     quant_refusal: ClassVar[str] = ""
+    # quantize=int4_weight computed by PyTorch's int4 kernel (exporter/quantize/packed.py: codes
+    # read as 4 bits), not by torchao's layer (codes a byte each, dequantized before a matmul).
+    int4_weight_packed: ClassVar[bool] = False
     # Why it does not lower a program whose unproven guards are asserts checked at run time
     # (export.guards=runtime); empty where it does.
     runtime_guards_refusal: ClassVar[str] = "no job has lowered such a program with it yet"

@@ -19,7 +19,7 @@ from exporter.config.model import (
     KvCache,
     ModelConfig,
 )
-from exporter.config.quantize import QuantizeConfig, QuantScheme
+from exporter.config.quantize import INT4_KERNEL_GROUPS, QuantizeConfig, QuantScheme
 from exporter.config.tracking import MlflowConfig
 from exporter.config.validate import DEFAULT_FACTORS, BenchmarkConfig, ValidateConfig
 from exporter.errors import ConfigError
@@ -107,6 +107,16 @@ class JobConfig:
                     f"{key}={choice.value}: backend={backend.name} runs {key}={names} only "
                     f"(allowed values of {key} with this backend). {backend.quant_refusal}"
                 )
+        if (
+            backend.int4_weight_packed
+            and quantize.scheme is QuantScheme("int4_weight")
+            and quantize.group_size not in INT4_KERNEL_GROUPS
+        ):
+            raise ConfigError(
+                f"quantize.group_size={quantize.group_size}: backend={backend.name} computes "
+                "quantize=int4_weight with PyTorch's int4 kernel, which takes groups of "
+                f"{', '.join(map(str, INT4_KERNEL_GROUPS))}."
+            )
         checkpoint = getattr(self.model, "checkpoint", None)
         if quantize.llama_cpp and not (quantize.enabled and checkpoint):
             raise ConfigError(

@@ -23,6 +23,11 @@ QuantScheme = Enum(
 )
 
 
+# The groups PyTorch's int4 kernels take (aten._weight_int4pack_mm and its CPU twin): what a
+# backend that computes quantize=int4_weight with them takes as quantize.group_size.
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
 class EmbeddingQuant(Enum):
     """How the token embedding's table is quantized (`quantize.embedding`): weight-only, per
     group of `quantize.group_size` for int4, per row for int8."""

@@ -146,5 +146,7 @@ def _export_now(job: config.JobConfig, backend: ConfiguredBackend, work_dir: Pat
     log.info("[localize] exporting the model: the job validated a given artifact")
     bundle = models.build(job.model, job.dynamic, backend.llm_ops)
     if job.quantize.enabled:
-        bundle = quantize.quantized(bundle, job.quantize, backend.group_scales)
+        bundle = quantize.quantized(
+            bundle, job.quantize, backend.group_scales, job.backend.int4_weight_packed
+        )
     return export.run(bundle, job.export, work_dir)

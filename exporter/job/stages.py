@@ -140,7 +140,9 @@ class _Sequence:
                 if job.quantize.scheme is config.QuantScheme("auto"):
                     bundle, plan = _planned(bundle, model_material, job, scales, self.work)
                 else:
-                    bundle = quantize.quantized(bundle, job.quantize, scales)
+                    bundle = quantize.quantized(
+                        bundle, job.quantize, scales, job.backend.int4_weight_packed
+                    )
                 record.quantization = quantize.summary(bundle.module, job.quantize, scales, plan)
                 log.info("[quantize] %s", record.quantization.line())
         program = None
@@ -178,7 +180,9 @@ class _Sequence:
             return
         with self.timed("attribution"):
             run = attribution.on_quality_rows(float_bundle, expected.goldens)
-            found = attribution.attribute(float_bundle.module, run, self.job.quantize)
+            found = attribution.attribute(
+                float_bundle.module, run, self.job.quantize, self.job.backend.int4_weight_packed
+            )
         self.record.attribution = found
         log.info("[attribution] %s", "\n".join(found.lines()))
 

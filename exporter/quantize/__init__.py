@@ -3,6 +3,10 @@ quantized with torchao, in place on a copy, the float model kept beside it; with
 `quantize=auto`, each layer by the recipe of a plan (exporter/quantize/plan.py), a GGUF
 checkpoint's own codes kept where the backend holds them.
 
+A backend that computes `quantize=int4_weight` with PyTorch's int4 kernel (aoti:
+`BackendConfig.int4_weight_packed`) gets the packed `int4` recipe of the group size wherever the
+kernel takes the layer (exporter/quantize/packed.py), torchao's layer elsewhere.
+
 The quantized module is what export, the goldens and the audit see from here on. The float model
 rides along as `ModelBundle.unquantized`, for the verdict on what quantization costs (quality),
 which is judged apart from what lowering adds (fidelity).
@@ -27,6 +31,7 @@ from torchao.quantization import IntxUnpackedToInt8Tensor, quantize_
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models.bundle import ModelBundle
 from exporter.quantize import plan as plans
+from exporter.quantize import recipes
 from exporter.quantize.packed import PackedEmbedding, PackedLinear
 from exporter.quantize.recipes import embedding_config, linear_config
 
@@ -47,6 +52,8 @@ class Quantization:
     skipped: tuple[str, ...]
     scales_rounded_to: str | None
     plan: plans.Plan | None = None
+    # Of the linear layers, those PyTorch's int4 kernel computes (packed.py).
+    packed_layers: int = 0
 
     def line(self) -> str:
         if self.plan is not None:
@@ -58,9 +65,11 @@ class Quantization:
                 ]
             )
         text = (
-            f"quantized: {self.scheme}, group {self.group_size}, {self.linear_layers} linear "
-            f"layers, embedding {self.embedding}"
+            f"quantized: {self.scheme}, group {self.group_size}, {self.linear_layers} linear layers"
         )
+        if self.packed_layers:
+            text += f" ({self.packed_layers} through PyTorch's int4 kernel)"
+        text += f", embedding {self.embedding}"
         if self.embedding != EmbeddingQuant.none.value:
             text += f" ({self.embedding_layers} layer{'s' * (self.embedding_layers != 1)})"
         if self.skipped:
@@ -79,7 +88,10 @@ class Quantization:
 
 
 def quantized(
-    bundle: ModelBundle, cfg: QuantizeConfig, group_scales: str | None = None
+    bundle: ModelBundle,
+    cfg: QuantizeConfig,
+    group_scales: str | None = None,
+    int4_weight_packed: bool = False,
 ) -> ModelBundle:
     """`bundle` with its module quantized as `cfg` says; its `unquantized` is the float model.
     The module is quantized in place on a copy: the decoder's uncached model shares its layers,
@@ -88,10 +100,14 @@ def quantized(
     rather than changing the old one, so what stays float (the embedding, the norms, skipped
     layers) is held once, not twice (1.05 GB of `llama_1b`'s embedding in float32), and the
     copy costs no float model's worth at its peak. `group_scales`: the dtype (a torch dtype's
-    name) the per-group weight scales are rounded to, for a backend that reads them so."""
+    name) the per-group weight scales are rounded to, for a backend that reads them so;
+    `int4_weight_packed`: int4_weight's layers are PyTorch's int4 kernel's where it takes them
+    (exporter/quantize/packed.py), torchao's elsewhere."""
     float_bundle = bundle
     bundle = _copy_sharing_parameters(bundle)
     skipped = frozenset(cfg.skip)
+    if int4_weight_packed and cfg.scheme is QuantScheme("int4_weight"):
+        _packed_int4(bundle.module, cfg)
     if cfg.scheme is not QuantScheme.none:
         quantize_(bundle.module, linear_config(cfg), filter_fn=_linear_filter(skipped))
     if cfg.embedding is not EmbeddingQuant.none:
@@ -136,6 +152,17 @@ def planned(
     return dataclasses.replace(bundle, unquantized=float_bundle), found
 
 
+def _packed_int4(module: torch.nn.Module, cfg: QuantizeConfig) -> None:
+    """Every linear layer of `module` (less `cfg.skip`) that the int4 kernel takes, made a
+    packed one of `cfg.group_size` in place; an output projection's tied embedding looks its
+    rows up in the projection's table (exporter/quantize/plan.py: one table, not two)."""
+    recipe = recipes.packed_int4(cfg.group_size)
+    for unit in plans.units(module, (recipe.name,), {}, cfg.skip):
+        if isinstance(unit.layer, torch.nn.Linear):
+            for name, replacement in plans.replacements(unit, recipe).items():
+                module.set_submodule(name, replacement)
+
+
 def _copy_sharing_parameters(bundle: ModelBundle) -> ModelBundle:
     """A copy of the bundle with modules and buffers of its own (a KV cache is written as the
     model runs) and the float model's parameters (module docstring of `quantized`)."""
@@ -152,12 +179,13 @@ def summary(
 ) -> Quantization:
     """What `quantized` (or `planned`, by `plan`) made of `module`: the layers whose weights it
     quantized."""
-    linear = embedding = 0
+    linear = embedding = packed = 0
     for submodule in module.modules():
         if isinstance(submodule, PackedLinear) or (
             type(submodule) is torch.nn.Linear and _is_quantized(submodule)
         ):
             linear += 1
+            packed += isinstance(submodule, PackedLinear)
         elif isinstance(submodule, PackedEmbedding) or (
             type(submodule) is torch.nn.Embedding and _is_quantized(submodule)
         ):
@@ -171,6 +199,7 @@ def summary(
         skipped=tuple(cfg.skip),
         scales_rounded_to=group_scales if _per_group(module) else None,
         plan=plan,
+        packed_layers=packed,
     )
 
 

@@ -14,6 +14,7 @@ model; nothing is lowered per layer, so the figures are the quantized model's, n
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from torchao.quantization import quantize_
 
 from exporter.config import EmbeddingQuant, QuantizeConfig, QuantScheme
 from exporter.models import ModelBundle
-from exporter.quantize import quality
+from exporter.quantize import plan as plans
+from exporter.quantize import quality, recipes
 from exporter.quantize.quality import NextToken, PerPosition, per_position
 from exporter.quantize.recipes import embedding_config, linear_config
 from runtimes.verdict.goldens import Goldens
@@ -89,14 +91,16 @@ def attribute(
     module: torch.nn.Module,
     run: Callable[[], Sequence[torch.Tensor]],
     cfg: QuantizeConfig,
+    int4_weight_packed: bool = False,
 ) -> Attribution:
-    """Each layer of the float `module` that `cfg` quantizes, quantized alone: `run()` calls the
-    model (sharing `module`'s layers) on the quality rows and returns its logits, one
+    """Each layer of the float `module` that `cfg` quantizes, quantized alone as the quantize
+    stage quantizes it (`int4_weight_packed`: as exporter/quantize/__init__.py says): `run()`
+    calls the model (sharing `module`'s layers) on the quality rows and returns its logits, one
     tensor per input; the layer goes back to float after."""
     reference = [logits.detach().to(torch.float64) for logits in run()]
     layers = []
-    for name, layer, config in _quantizable(module, cfg):
-        quantized = _alone(layer, config)
+    for name, layer, quantized_copy in _quantizable(module, cfg, int4_weight_packed):
+        quantized = quantized_copy(layer)
         module.set_submodule(name, quantized)
         try:
             outputs = run()
@@ -112,24 +116,36 @@ def attribute(
 
 
 def _quantizable(
-    module: torch.nn.Module, cfg: QuantizeConfig
-) -> list[tuple[str, torch.nn.Module, object]]:
-    """(name, layer, torchao config) of every layer `cfg` quantizes, as the quantize stage
-    chooses them (exporter/quantize/__init__.py): linear layers and, where asked, embeddings,
-    less those in quantize.skip."""
+    module: torch.nn.Module, cfg: QuantizeConfig, int4_weight_packed: bool
+) -> list[tuple[str, torch.nn.Module, Callable[[torch.nn.Module], torch.nn.Module]]]:
+    """(name, layer, what makes its quantized copy) of every layer `cfg` quantizes, as the
+    quantize stage chooses them (exporter/quantize/__init__.py): linear layers and, where asked,
+    embeddings, less those in quantize.skip."""
     skipped = set(cfg.skip)
+    packed = None
+    if int4_weight_packed and cfg.scheme is QuantScheme("int4_weight"):
+        packed = recipes.packed_int4(cfg.group_size)
+    output = plans.output_projection(module)
     chosen = []
     for name, layer in module.named_modules():
         if name in skipped:
             continue
         if isinstance(layer, torch.nn.Linear) and cfg.scheme is not QuantScheme.none:
-            chosen.append((name, layer, linear_config(cfg)))
+            if packed is not None and packed.applies(layer):
+                logits = layer is output
+                chosen.append((name, layer, functools.partial(_packed, packed, logits=logits)))
+            else:
+                chosen.append((name, layer, functools.partial(_alone, linear_config(cfg))))
         elif isinstance(layer, torch.nn.Embedding) and cfg.embedding is not EmbeddingQuant.none:
-            chosen.append((name, layer, embedding_config(cfg)))
+            chosen.append((name, layer, functools.partial(_alone, embedding_config(cfg))))
     return chosen
 
 
-def _alone(layer: torch.nn.Module, config: object) -> torch.nn.Module:
+def _packed(recipe: recipes.Packed, layer: torch.nn.Module, logits: bool) -> torch.nn.Module:
+    return recipe.quantized(layer, None, logits)
+
+
+def _alone(config: object, layer: torch.nn.Module) -> torch.nn.Module:
     """A quantized copy of `layer`; the float layer is left as it is."""
     holder = torch.nn.Sequential(copy.deepcopy(layer))
     quantize_(holder, config)

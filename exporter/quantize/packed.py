@@ -1,6 +1,9 @@
 """Linear layers and embeddings whose weights are 4-bit or 8-bit codes per group of a row,
 computed by PyTorch's own int4 matrix multiply for the CPU (`aten._weight_int4pack_mm_for_cpu`),
-which eager PyTorch runs and AOTInductor compiles into its package as a call.
+which eager PyTorch runs and AOTInductor compiles into its package as a call. CUDA's int4 matrix
+multiply (`aten._weight_int4pack_mm`, tinygemm) computes the same (u - 8) * s + z from the same
+scales and zeros, with the codes in tiles of its own (runtimes/int4_kernels.py: both layouts, and
+the rewrite of a program for CUDA that AOTInductor's lowering and eager PyTorch on CUDA make).
 
 The kernel takes a weight of 4-bit codes u in [0, 15] packed two to a byte, and per group of
 `group` codes along a row a scale s and a zero z: w = (u - 8) * s + z. It is fast with bfloat16
@@ -21,11 +24,10 @@ from __future__ import annotations
 
 import torch
 
-# The CPU packing lays out rows in blocks of 64 (aten's int4pack for the CPU: the two nibbles of
-# a byte are rows j and j + 32 of a block, and the bytes of a block run along K).
-_ROW_BLOCK = 64
-_HALF_BLOCK = _ROW_BLOCK // 2
-GROUPS = (32, 64, 128, 256)
+from exporter.config.quantize import INT4_KERNEL_GROUPS
+from runtimes import int4_kernels
+from runtimes.int4_kernels import ROW_BLOCK, codes_of, for_cuda
+
 _COMPUTE = torch.bfloat16
 # The int4 grid's ends drawn in from a group's min and max by these factors, the best kept; rows
 # searched at a time.
@@ -35,7 +37,7 @@ _SEARCHED_ROWS = 1024
 
 def holds(rows: int, cols: int, group: int) -> bool:
     """Whether the kernel takes a weight [rows, cols] in groups of `group`."""
-    return group in GROUPS and cols % group == 0 and rows % _ROW_BLOCK == 0
+    return group in INT4_KERNEL_GROUPS and cols % group == 0 and int4_kernels.holds(rows, cols)
 
 
 class Int4Plane(torch.nn.Module):
@@ -56,10 +58,24 @@ class Int4Plane(torch.nn.Module):
         return rows, half * 2
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] in bfloat16 times the weight's transpose, in bfloat16 [n, out]."""
+        """x [n, in] in bfloat16 times the weight's transpose, in bfloat16 [n, out]: by CUDA's
+        kernel where x is on a GPU (eager at the model's dtype, which the goldens run on the
+        artifact's device), the CPU's elsewhere (what export traces)."""
+        if x.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(
+                x, self._cuda_tiles(), self.group, self.scales_and_zeros
+            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group, self.scales_and_zeros
         )
+
+    def _cuda_tiles(self) -> torch.Tensor:
+        """The codes in CUDA's tiles, made once per device the plane is on: a plain attribute,
+        neither a buffer nor in the state dict, so the exported program never holds it."""
+        tiles = self.__dict__.get("_tiles")
+        if tiles is None or tiles.device != self.packed.device:
+            tiles = self.__dict__["_tiles"] = for_cuda(self.packed)
+        return tiles
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The codes u [rows, in] (every row, or the rows `rows`), as stored."""
@@ -245,26 +261,12 @@ def _largest(values: torch.Tensor, count: int) -> torch.Tensor:
     values rather than one of the whole row, which AOTInductor's top-k takes five times as long
     over (0.24 ms over 49152 logits)."""
     rows, width = values.shape
-    blocks = values.view(rows, width // _ROW_BLOCK, _ROW_BLOCK)
-    best = blocks.amax(-1).topk(min(count, width // _ROW_BLOCK), dim=-1).indices
-    candidates = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, _ROW_BLOCK))
+    blocks = values.view(rows, width // ROW_BLOCK, ROW_BLOCK)
+    best = blocks.amax(-1).topk(min(count, width // ROW_BLOCK), dim=-1).indices
+    candidates = blocks.gather(1, best.unsqueeze(-1).expand(-1, -1, ROW_BLOCK))
     within = candidates.reshape(rows, -1).topk(count, dim=-1).indices
-    block = best.gather(1, torch.div(within, _ROW_BLOCK, rounding_mode="floor"))
-    return block * _ROW_BLOCK + within % _ROW_BLOCK
-
-
-def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The codes u [rows, in] of a weight in the kernel's packing [out, in // 2] (every row, or
-    the rows `rows`)."""
-    out, half = packed.shape
-    cols = half * 2
-    if rows is None:
-        rows = torch.arange(out)
-    blocks = packed.view(out // _ROW_BLOCK, cols, _HALF_BLOCK)
-    within = rows % _ROW_BLOCK
-    found = blocks[torch.div(rows, _ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
-    shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
-    return (found >> shift.unsqueeze(-1)) & 0x0F
+    block = best.gather(1, torch.div(within, ROW_BLOCK, rounding_mode="floor"))
+    return block * ROW_BLOCK + within % ROW_BLOCK
 
 
 def dequantized(

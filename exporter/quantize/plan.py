@@ -152,7 +152,7 @@ def units(
     `skip`, each with the candidates of `recipe_names` (`stored`: a checkpoint's codes by layer
     name)."""
     layers = dict(module.named_modules())
-    output = _output_projection(module)
+    output = output_projection(module)
     embedding_of = {
         id(layer.weight): name
         for name, layer in layers.items()
@@ -181,7 +181,7 @@ def units(
     return planned
 
 
-def _output_projection(module: torch.nn.Module) -> torch.nn.Module | None:
+def output_projection(module: torch.nn.Module) -> torch.nn.Module | None:
     """The output projection of the transformers model inside `module`, if there is one."""
     for submodule in module.modules():
         output = getattr(submodule, "get_output_embeddings", None)

@@ -3,12 +3,14 @@
 from a checkpoint's own codes where it holds them, and says what the copy's weight takes.
 
 - `int4`: 4-bit codes per group of 32, asymmetric, the grid's range searched per group
-  (`int4_g128`: per group of 128, fewer scales), and `int8`: 8-bit codes per group of 32,
-  symmetric (llama.cpp's Q8_0), as two 4-bit planes; all
-  with bfloat16 scales and zeros and bfloat16 activations at the matmul, through PyTorch's
-  packed int4 kernel for the CPU (exporter/quantize/packed.py): aoti and eager on the CPU;
+  (`int4_g64`, `int4_g128`, `int4_g256`: per wider group, fewer scales), and `int8`: 8-bit
+  codes per group of 32, symmetric (llama.cpp's Q8_0), as two 4-bit planes; all with bfloat16
+  scales and zeros and bfloat16 activations at the matmul, through PyTorch's packed int4 kernel
+  for the CPU (exporter/quantize/packed.py): eager on the CPU, and aoti, whose lowering for CUDA
+  repacks them for CUDA's int4 kernel; aoti computes `quantize=int4_weight` with the `int4`
+  recipe of `quantize.group_size`;
 - `8da4w`, `8da8w`: torchao's layers with int8 activations per token: executorch (XNNPACK);
-- `int4_weight`, `int8_weight`: torchao's weight-only layers: aoti and eager on CUDA;
+- `int4_weight`, `int8_weight`: torchao's weight-only layers: eager on CUDA;
 - `float`: the layer as it is, on every backend.
 
 `int4` holds a GGUF file's Q4_0, Q4_1 and Q4_K codes and `int8` its Q8_0 codes exactly (scales
@@ -164,7 +166,9 @@ def embedding_config(cfg: QuantizeConfig) -> IntxWeightOnlyConfig:
 RECIPES: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in (
+        Packed("int4_g256", 4, 256),
         Packed("int4_g128", 4, 128),
+        Packed("int4_g64", 4, 64),
         Packed("int4", 4),
         Packed("int8", 8),
         Torchao("8da4w", 4),
@@ -174,6 +178,14 @@ RECIPES: dict[str, Recipe] = {
         Recipe("float", 32),
     )
 }
+
+
+def packed_int4(group: int) -> Packed:
+    """The packed int4 recipe of per-group scales over `group` codes (quantize=int4_weight on a
+    backend that computes it with PyTorch's int4 kernel)."""
+    found = RECIPES["int4" if group == _GROUP else f"int4_g{group}"]
+    assert isinstance(found, Packed)
+    return found
 
 
 def candidates(

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch.export.passes import move_to_device_pass
 
+from runtimes import int4_kernels
 from runtimes.on_device import OnDevice
 
 # The distributions it loads artifacts with, whose versions a check's report records.
@@ -23,4 +24,6 @@ class ExportedProgramModule(OnDevice):
         program = torch.export.load(path)
         if on.type != "cpu":
             program = move_to_device_pass(program, on)
+        if on.type == "cuda":
+            program = int4_kernels.program_for_cuda(program)
         super().__init__(program.module(), on)

@@ -1,0 +1,168 @@
+"""PyTorch's int4 matrix multiply, on the CPU (`aten._weight_int4pack_mm_for_cpu`) and on CUDA
+(`aten._weight_int4pack_mm`, tinygemm): the layouts each reads its 4-bit codes in, and the
+rewrite of a program for CUDA. Both compute (u - 8) * s + z from the same scales and zeros
+[in // group, out, 2], so a program of the CPU's kernel (the packed layers of
+exporter/quantize/packed.py) computes what it did with CUDA's, each weight repacked into CUDA's
+tiles: its 4-bit weights read as 4 bits, where a dequantize-then-matmul reads the codes and then
+the whole weight at bfloat16. AOTInductor's lowering for CUDA compiles the rewritten program;
+eager PyTorch on CUDA (runtimes/loaders/eager.py) runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+# The CPU packing lays out rows in blocks of 64 (the two nibbles of a byte are rows j and j + 32
+# of a block, and the bytes of a block run along K).
+ROW_BLOCK = 64
+_HALF_BLOCK = ROW_BLOCK // 2
+# The name of a weight repacked for CUDA beside the CPU packing it came from, where the program
+# still reads that packing (an output projection's exact rows, a tied embedding's lookup).
+CUDA_SUFFIX = "_for_cuda"
+_CPU_KERNEL = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_CUDA_KERNEL = torch.ops.aten._weight_int4pack_mm.default
+
+
+def holds(rows: int, cols: int) -> bool:
+    """Whether both kernels take a weight of `rows` by `cols` codes (in groups of 32 or more)."""
+    return rows % ROW_BLOCK == 0 and cols % 32 == 0
+
+
+def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes u [rows, in] of a weight in the kernel's packing [out, in // 2] (every row, or
+    the rows `rows`)."""
+    out, half = packed.shape
+    cols = half * 2
+    if rows is None:
+        rows = torch.arange(out, device=packed.device)
+    blocks = packed.view(out // ROW_BLOCK, cols, _HALF_BLOCK)
+    within = rows % ROW_BLOCK
+    found = blocks[torch.div(rows, ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
+    shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
+    return (found >> shift.unsqueeze(-1)) & 0x0F
+
+
+def for_cuda(packed: torch.Tensor) -> torch.Tensor:
+    """A weight in the CPU kernel's packing [out, in // 2] in CUDA's: int32 tiles
+    [out // 8, in // (16 * tiles), 32, tiles // 2], tiles the widest of 8, 4, 2 that divides the
+    row (wider tiles: fewer, longer loads; 8 was fastest on an H200). On a CUDA device by CUDA's
+    own packing; elsewhere by the same placement of each code (`_tile_sources`)."""
+    codes = codes_of(packed)
+    if packed.is_cuda:
+        plain = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(plain, _cuda_tiles(codes.shape[1]))
+    rows, cols = codes.shape
+    nibbles = codes.reshape(-1)[_tile_sources(rows, cols)]
+    raw = nibbles[0::2] | (nibbles[1::2] << 4)
+    return raw.view(torch.int32).view(cuda_shape(rows, cols))
+
+
+def cuda_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """The shape `for_cuda` gives a weight of `rows` by `cols` codes."""
+    tiles = _cuda_tiles(cols)
+    return rows // 8, cols // (16 * tiles), 32, tiles // 2
+
+
+def from_cuda(stored: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """`for_cuda`'s tiles (any device) back in the CPU kernel's packing, on the CPU."""
+    codes = torch.empty(rows * cols, dtype=torch.uint8)
+    codes[_tile_sources(rows, cols)] = _nibbles(stored.cpu())
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.view(rows, cols).to(torch.int32), 1
+    )
+
+
+def _tile_sources(rows: int, cols: int) -> torch.Tensor:
+    """For each 4-bit value of CUDA's tiles in memory order (the low nibble of a byte first),
+    the index of the code [rows, cols] (row-major) it holds. CUDA's packing
+    (`_convert_weight_to_int4pack`, aten/src/ATen/native/cuda/int4mm.cu): lane t of a tile of
+    8 rows and two k-tiles of 16 codes takes the bytes (two codes each, the even column in the
+    high nibble) at t % 4 + 0, 4, 8 and 12 of row t // 4, and lays them in one int32, their
+    high nibbles in its low 16 bits, their low nibbles in its high 16 bits."""
+    tiles = _cuda_tiles(cols)
+    row_tile = torch.arange(rows // 8).view(-1, 1, 1, 1, 1)
+    k_tile = torch.arange(cols // (16 * tiles)).view(1, -1, 1, 1, 1)
+    lane = torch.arange(32).view(1, 1, -1, 1, 1)
+    pair = torch.arange(tiles // 2).view(1, 1, 1, -1, 1)
+    nibble = torch.arange(8).view(1, 1, 1, 1, -1)
+    row = row_tile * 8 + lane // 4
+    byte = (k_tile * tiles + pair * 2) * 8 + lane % 4 + 4 * (nibble % 4)
+    col = 2 * byte + (nibble >= 4).to(torch.int64)
+    return (row * cols + col).reshape(-1)
+
+
+def _nibbles(tiles: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values of a tensor's bytes in memory order, the low nibble of a byte first."""
+    raw = tiles.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack((raw & 0x0F, raw >> 4), dim=-1).reshape(-1)
+
+
+def _cuda_tiles(cols: int) -> int:
+    return next(tiles for tiles in (8, 4, 2) if cols % (16 * tiles) == 0)
+
+
+def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
+    """`program` (its weights on the CUDA device) with every call of the CPU's kernel made one of
+    CUDA's; the program itself where it has none. A weight the CPU kernel alone reads is
+    repacked in place, under its own name; one that other ops also read in the CPU packing keeps
+    it, and the repacked copy is a buffer beside it (`CUDA_SUFFIX`). The program's own graph and
+    weights stay as they were."""
+    if not any(node.target is _CPU_KERNEL for node in program.graph.nodes):
+        return program
+    graph_module = copy.deepcopy(program.graph_module)
+    calls = [node for node in graph_module.graph.nodes if node.target is _CPU_KERNEL]
+    signature = program.graph_signature
+    buffer_of = signature.inputs_to_buffers
+    state = dict(program.state_dict)
+    specs = list(signature.input_specs)
+    first_user_input = next(
+        node for node in graph_module.graph.nodes if node.name in signature.user_inputs
+    )
+    repacked: dict[str, torch.fx.Node] = {}
+    for call in calls:
+        weight = call.args[1]
+        name = buffer_of[weight.name]
+        if name not in repacked:
+            tiles = for_cuda(state[name])
+            if len(weight.users) == 1:
+                state[name] = tiles
+                weight.meta["val"] = _fake_like(weight, tiles)
+                repacked[name] = weight
+            else:
+                repacked[name] = _buffer_before(
+                    first_user_input, specs, state, name + CUDA_SUFFIX, tiles, weight
+                )
+        call.target = _CUDA_KERNEL
+        call.replace_input_with(weight, repacked[name])
+    graph_module.recompile()
+    new_signature = type(signature)(input_specs=specs, output_specs=signature.output_specs)
+    return program._update(graph_module, new_signature, state_dict=state)
+
+
+def _buffer_before(
+    first_user_input: torch.fx.Node,
+    specs: list[InputSpec],
+    state: dict[str, torch.Tensor],
+    name: str,
+    value: torch.Tensor,
+    like: torch.fx.Node,
+) -> torch.fx.Node:
+    """A new persistent buffer `name` holding `value`: its placeholder among the buffers'
+    (before the user's inputs, which a program's inputs end with), its spec likewise."""
+    graph = first_user_input.graph
+    with graph.inserting_before(first_user_input):
+        node = graph.placeholder(name.replace(".", "_"))
+    node.meta["val"] = _fake_like(like, value)
+    at = next(i for i, spec in enumerate(specs) if spec.kind is InputKind.USER_INPUT)
+    specs.insert(at, InputSpec(InputKind.BUFFER, TensorArgument(node.name), name, True))
+    state[name] = value
+    return node
+
+
+def _fake_like(node: torch.fx.Node, value: torch.Tensor) -> torch.Tensor:
+    """`value` as a fake tensor of the program's fake mode (the one `node`'s value is of)."""
+    return node.meta["val"].fake_mode.from_tensor(value, static_shapes=True)

@@ -1,0 +1,209 @@
+"""int4 weights read as 4 bits on aoti: `quantize=int4_weight` computed by PyTorch's int4 kernel
+(exporter/quantize/packed.py), and the rewrite of a program for CUDA (runtimes/int4_kernels.py:
+each call of the CPU's kernel made one of CUDA's, its weight repacked into CUDA's tiles). The
+rewritten graph and the tiles are checked here; that the tiles are CUDA's own packing, and what
+CUDA computes, by the tests that need a GPU and by tests/gpu_check.py. The tests named for CUDA
+import no conftest, so that `pytest --noconftest -k cuda` runs them on the GPU machine, which
+has no MLflow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exporter import config, models, quantize
+from exporter.audit.matching import Constant, Form, audit_constants, forms
+from exporter.errors import ConfigError
+from exporter.quantize.packed import PackedEmbedding, PackedLinear
+from runtimes import int4_kernels
+
+TINY = ("model=llama", "model.num_hidden_layers=1", "dynamic.seq.max=16")
+CPU_KERNEL = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+CUDA_KERNEL = torch.ops.aten._weight_int4pack_mm.default
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's int4 packing")
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding tied to a packed output projection (its exact rows read the CPU packing
+    too) and one packed layer between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = PackedLinear.from_float(torch.randn(64, 64), 4, 32)
+        self.head = PackedLinear.from_float(torch.randn(256, 64), 4, 32, exact_top=4)
+        self.embed = PackedEmbedding(self.head, torch.float32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(self.embed(ids)))
+
+
+def _lowered_graph() -> tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]:
+    """The tied model's program, and what the rewrite for CUDA makes of it (its weights stay on
+    the CPU here: the graph and the tiles are what is checked)."""
+    program = torch.export.export(TiedLM().eval(), (torch.tensor([[1, 2, 3]]),))
+    return program, int4_kernels.program_for_cuda(program)
+
+
+def test_every_cpu_int4_call_becomes_a_cuda_one_and_a_shared_packing_is_kept_beside_it() -> None:
+    program, lowered = _lowered_graph()
+    targets = [node.target for node in lowered.graph.nodes]
+    assert targets.count(CUDA_KERNEL) == 2 and CPU_KERNEL not in targets
+    # The job's own program is left as it was.
+    assert [node.target for node in program.graph.nodes].count(CPU_KERNEL) == 2
+    state = lowered.state_dict
+    # Read by the kernel alone: repacked in place, under its own name.
+    cpu_packing = program.state_dict["inner.planes.0.packed"]
+    assert torch.equal(state["inner.planes.0.packed"], int4_kernels.for_cuda(cpu_packing))
+    # Read by the exact rows and the embedding too (export names the one tensor by its last
+    # path, the embedding's): kept, and its tiles a buffer beside it.
+    shared = "embed.table.planes.0.packed"
+    assert state[shared].shape == (256, 32) and state[shared].dtype == torch.uint8
+    beside = [name for name in state if name.endswith(int4_kernels.CUDA_SUFFIX)]
+    assert beside == [shared + int4_kernels.CUDA_SUFFIX]
+    assert torch.equal(state[beside[0]], int4_kernels.for_cuda(state[shared]))
+    buffers = lowered.graph_signature.buffers
+    assert len(buffers) == len(program.graph_signature.buffers) + 1 and beside[0] in buffers
+
+
+def test_the_audit_checks_the_rewritten_programs_weights_against_the_programs_own() -> None:
+    program, lowered = _lowered_graph()
+    constants = [
+        Constant(f"package weight {name}", _bytes(value), value.dtype, tuple(value.shape), name)
+        for name, value in lowered.state_dict.items()
+    ]
+    checked = audit_constants(constants, program.state_dict, lambda *_: "").checked
+    how = {found.parameter: found.how for found in checked}
+    assert len(how) == len(program.state_dict)
+    assert how["inner.planes.0.packed"] == "int4 repacked in CUDA's tiles"
+    # The shared packing is checked as it is, and its tiles beside it tie back to it.
+    tiles = [c for c in checked if c.parameter == "embed.table.planes.0.packed"]
+    assert tiles and tiles[0].how == "exact"
+    tampered = dict(lowered.state_dict)
+    tiles_name = "embed.table.planes.0.packed" + int4_kernels.CUDA_SUFFIX
+    tampered[tiles_name] = tampered[tiles_name].clone()
+    tampered[tiles_name].view(-1).view(torch.uint8)[7] ^= 0x10
+    constants = [
+        Constant(f"package weight {name}", _bytes(value), value.dtype, tuple(value.shape), name)
+        for name, value in tampered.items()
+    ]
+    found = audit_constants(constants, program.state_dict, lambda *_: "")
+    assert [m.parameter for m in found.mismatched] == ["embed.table.planes.0.packed"]
+    assert found.mismatched[0].differing == 1
+
+
+def _bytes(value: torch.Tensor) -> memoryview:
+    return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def test_a_program_without_int4_calls_is_lowered_as_it_is() -> None:
+    program = torch.export.export(torch.nn.Linear(4, 4), (torch.ones(1, 4),))
+    assert int4_kernels.program_for_cuda(program) is program
+
+
+def test_int4_weight_on_aoti_is_the_int4_kernel_where_it_takes_the_layer() -> None:
+    from tests.conftest import composed
+
+    job = config.to_job(composed("backend=aoti", *TINY, "quantize=int4_weight"))
+    bundle = models.build(job.model, job.dynamic)
+    module = quantize.quantized(bundle, job.quantize, None, job.backend.int4_weight_packed).module
+    kinds = {name: type(layer) for name, layer in module.named_modules()}
+    packed_layers = sorted(
+        name.rsplit(".", 1)[-1] for name, t in kinds.items() if t is PackedLinear
+    )
+    assert packed_layers == ["down_proj", "gate_proj", "lm_head", "o_proj", "q_proj", "up_proj"]
+    # k and v have 32 rows, the kernel's blocks 64: torchao's layers.
+    torchao = [n for n, t in kinds.items() if t is torch.nn.Linear]
+    assert [n.rsplit(".", 1)[-1] for n in torchao] == ["k_proj", "v_proj"]
+    assert all(type(module.get_submodule(n).weight).__name__ != "Parameter" for n in torchao)
+    # The output projection ranks its largest logits with the weights' own scales.
+    assert module.get_submodule("model.lm_head").exact_top > 0
+
+
+def test_int4_weight_on_aoti_passes_its_verdict_and_audit(tmp_path: Path) -> None:
+    from tests.conftest import job_in_process
+
+    record, report = job_in_process(tmp_path, "backend=aoti", *TINY, "quantize=int4_weight")
+    assert record.error is None and report["passed"]
+    assert report["quantization"]["linear_layers"] == 8
+    assert report["quantization"]["packed_layers"] == 6
+    audit = report["weights_audit"]
+    assert audit["passed"] and audit["mismatched"] == [], audit
+
+
+def test_an_int4_weight_group_the_kernel_does_not_take_is_refused_at_compose() -> None:
+    from tests.conftest import composed
+
+    with pytest.raises(ConfigError) as refused:
+        config.to_job(composed("backend=aoti", "quantize=int4_weight", "quantize.group_size=16"))
+    assert "quantize.group_size=16: backend=aoti computes quantize=int4_weight" in str(
+        refused.value
+    )
+
+
+# Rows in the CPU packing's blocks of 64; rows 64 to 256 codes wide: CUDA's tiles of 2, 4 and 8
+# k-tiles.
+SHAPES = [(64, 96), (128, 64), (192, 256)]
+
+
+def _cpu_packing(rows: int, cols: int) -> torch.Tensor:
+    torch.manual_seed(rows + cols)
+    return PackedLinear.from_float(torch.randn(rows, cols), 4, 32).planes[0].packed
+
+
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_cuda_tiles_hold_every_code_once_and_unpack_to_the_cpu_packing(rows: int, cols: int):
+    cpu_packing = _cpu_packing(rows, cols)
+    tiles = int4_kernels.for_cuda(cpu_packing)
+    assert tiles.shape == int4_kernels.cuda_shape(rows, cols) and tiles.dtype == torch.int32
+    assert torch.equal(int4_kernels.from_cuda(tiles, rows, cols), cpu_packing)
+    # A permutation of the codes: one code changed changes one 4-bit value of the tiles.
+    codes = int4_kernels.codes_of(cpu_packing).to(torch.int32)
+    codes[rows - 1, cols - 1] ^= 0x0F
+    changed = int4_kernels.for_cuda(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+    raw, raw_changed = (t.view(torch.uint8).reshape(-1) for t in (tiles, changed))
+    assert int((raw != raw_changed).sum()) == 1
+
+
+def test_the_audit_ties_cuda_tiles_to_the_cpu_packing_and_unpacks_a_changed_code() -> None:
+    cpu_packing = _cpu_packing(128, 256)
+    cuda_form = [form for form in forms(cpu_packing) if form.cuda_tiles]
+    assert cuda_form == [Form(torch.int32, None, cuda_tiles=True)]
+    stored = cuda_form[0].apply(cpu_packing)
+    assert torch.equal(stored, int4_kernels.for_cuda(cpu_packing))
+    codes = int4_kernels.codes_of(cpu_packing).to(torch.int32)
+    codes[70, 5] ^= 0x0F
+    changed_packing = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    unstored = cuda_form[0].unstored(int4_kernels.for_cuda(changed_packing), cpu_packing)
+    # Back in the CPU packing, where the mismatch is counted and placed: one byte differs.
+    assert torch.equal(unstored, changed_packing)
+    assert int((unstored != cpu_packing).sum()) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_our_placement_of_the_codes_is_cudas_own_packing(rows: int, cols: int) -> None:
+    cpu_packing = _cpu_packing(rows, cols)
+    on_gpu = int4_kernels.for_cuda(cpu_packing.cuda())
+    assert torch.equal(on_gpu.cpu(), int4_kernels.for_cuda(cpu_packing))
+
+
+@needs_cuda
+def test_the_cuda_kernel_computes_what_the_cpu_kernel_does() -> None:
+    torch.manual_seed(0)
+    plane = PackedLinear.from_float(torch.randn(256, 512), 4, 32).planes[0]
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    on_cpu = plane.matmul(x).float()
+    on_cuda = CUDA_KERNEL(
+        x.cuda(),
+        int4_kernels.for_cuda(plane.packed.cuda()),
+        plane.group,
+        plane.scales_and_zeros.cuda(),
+    )
+    exact = x.double() @ plane.dequantized(dtype=torch.float64).T
+    # Each is the float64 product to a bfloat16 rounding of the output (2**-8 of its scale).
+    scale = exact.abs().max().item()
+    assert (on_cuda.cpu().double() - exact).abs().max() < scale * 2**-7
+    assert (on_cpu.double() - exact).abs().max() < scale * 2**-7
