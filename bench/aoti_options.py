@@ -1,0 +1,171 @@
+"""Inductor's options side by side for a KV-cache model's decode step through AOTInductor on
+CUDA: the model exported once (as the job exports it, from Hydra overrides of the job's
+config), compiled once per variant, each package's kernels per decode step counted, and then
+all of them timed in one process by bench/kv_decode.py, beside the exported program under
+`torch.compile(mode="reduce-overhead")`, with each decode step over the memory floor of its
+package (the time to read its bytes at the card's peak bandwidth).
+
+    python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
+        --variants project freezing --slots 1024
+
+`project` is the backend's own options (exporter/backends/aoti.py); every other
+variant adds its options to them. The kernel census profiles one decode step run without a CUDA
+graph: the kernels and their summed time on the GPU, the largest by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from tabulate import tabulate
+from torch.export.passes import move_to_device_pass
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import kv_decode
+from exporter import export, models, quantize
+from exporter.backends.aoti import _inductor_configs
+from exporter.benchmark import memory_floor
+from exporter.command import schemas
+from exporter.config import to_job
+from runtimes import int4_kernels
+from runtimes.loaders.aoti import _load, _share_libstdcxx
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+# Each variant's options on top of the backend's own.
+VARIANTS: dict[str, dict[str, object]] = {
+    "project": {},
+    # Constant weights folded into the program: Inductor's freezing passes concatenate the
+    # weights of projections that read the same input (q/k/v, gate/up) into one matmul.
+    "freezing": {"freezing": True},
+    # Each Triton kernel's block sizes tuned by coordinate descent from the heuristic's choice.
+    "coordinate_descent": {"coordinate_descent_tuning": True},
+    "freezing+coordinate_descent": {"freezing": True, "coordinate_descent_tuning": True},
+    # Triton templates for the matmuls, benchmarked against cuBLAS at compile time.
+    "max_autotune": {"max_autotune": True},
+}
+
+
+def exported_program(overrides: Sequence[str], out: Path) -> Path:
+    """The job's export of the model that `overrides` compose, with a static KV cache."""
+    schemas.register_schemas()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose(
+            "config",
+            [
+                *overrides,
+                "backend=aoti",
+                "backend.device=cuda",
+                "model.kv_cache=static",
+                "mlflow=off",
+            ],
+        )
+    job = to_job(cfg)
+    bundle = models.build(job.model, job.dynamic)
+    if job.quantize.enabled:
+        bundle = quantize.quantized(bundle, job.quantize, None, job.backend.int4_weight_packed)
+    return export.run(bundle, job.export, out).path
+
+
+def compiled(program: Path, options: dict[str, object], package: Path) -> float:
+    """Seconds to compile `program` for this GPU into `package` with `options`."""
+    from torch._inductor import aoti_compile_and_package
+
+    on_gpu = move_to_device_pass(torch.export.load(program), torch.device("cuda", 0))
+    on_gpu = int4_kernels.program_for_cuda(on_gpu)
+    started = time.perf_counter()
+    aoti_compile_and_package(
+        on_gpu, package_path=str(package), inductor_configs={**_inductor_configs(), **options}
+    )
+    return time.perf_counter() - started
+
+
+def kernel_census(package: Path, top: int) -> tuple[int, float, list[tuple[str, float]]]:
+    """One decode step of `package` (at slot 1, after a one-token prefill): its kernel launches,
+    their summed GPU time in ms, and the `top` kernels by time (name, ms)."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    model = _load(package, single_threaded=False)
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    for position in range(3):
+        model(token, torch.tensor([position], device="cuda"))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        model(token, torch.tensor([1], device="cuda"))
+        torch.cuda.synchronize()
+    kernels = [e for e in profiled.key_averages() if e.device_type == DeviceType.CUDA]
+    launches = sum(e.count for e in kernels)
+    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    largest = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return launches, total_ms, [(e.key[:70], e.self_device_time_total / 1e3) for e in largest]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--slots", type=int, default=1024, help="the cache's length")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--top", type=int, default=6, help="kernels listed per variant")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/aoti-options"))
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument(
+        "--quantize", nargs="+", default=["none"], help="quantize schemes, each exported apart"
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/aoti_options.py times packages on CUDA; this machine has no CUDA device")
+        return 2
+    _share_libstdcxx()
+    rows, packages, float_program = [], [], None
+    for scheme in args.quantize:
+        out = args.out / scheme
+        out.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        overrides = [*args.overrides, f"model.max_cache_len={args.slots}", f"quantize={scheme}"]
+        program = exported_program(overrides, out)
+        print(f"{scheme}: exported in {time.perf_counter() - started:.0f} s: {program}")
+        if scheme == "none":
+            float_program = program
+        for variant in args.variants:
+            name = variant if scheme == "none" else f"{variant}-{scheme}"
+            package = out / f"{variant}.pt2"
+            try:
+                seconds = compiled(program, VARIANTS[variant], package)
+            except Exception as error:
+                print(f"{name}: compiling failed: {type(error).__name__}: {error}"[:400])
+                continue
+            launches, kernel_ms, largest = kernel_census(package, args.top)
+            floor = memory_floor.on("cuda", package.stat().st_size)
+            floor_ms = f"{floor.ms:.3f}" if floor else None
+            rows.append([name, f"{seconds:.0f}", launches, f"{kernel_ms:.3f}", floor_ms])
+            print(f"{name}: compiled in {seconds:.0f} s; {launches} kernels, {kernel_ms:.3f} ms:")
+            for kernel, ms in largest:
+                print(f"    {ms:8.3f} ms  {kernel}")
+            sys.stdout.flush()
+            packages.append(f"{name}=aoti:{package}")
+    print(
+        tabulate(
+            rows,
+            headers=["variant", "compile s", "kernels/step", "kernel ms", "floor ms"],
+            disable_numparse=True,
+        ),
+        flush=True,
+    )
+    # torch.compile of the float program only: a quantized one calls the CPU's int4 kernel,
+    # which only the aoti lowering for CUDA replaces.
+    compiled_too = float_program is not None and not args.no_compile
+    contenders = [*packages, f"compiled=compile:{float_program}"] if compiled_too else packages
+    timing = ["--slots", str(args.slots), "--max-prefill", "1", "--device", "cuda"]
+    return kv_decode.main([*contenders, *timing, "--rounds", str(args.rounds)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
