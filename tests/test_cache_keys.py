@@ -57,6 +57,15 @@ def test_tolerances_and_the_runtime_device_stay_out_of_the_lowering_key() -> Non
     assert lower_key("model=mlp", "fallback.min_block_size=2") != base
 
 
+def test_int4_weight_exports_apart_where_a_backend_computes_it_with_the_int4_kernel() -> None:
+    # eager and aoti on the CPU plan with the same recipes, but only aoti makes int4_weight's
+    # layers the int4 kernel's: one cached export must not stand for the other.
+    eager, aoti = (export_key(f"backend={b}", "quantize=int4_weight") for b in ("eager", "aoti"))
+    assert eager != aoti
+    plain = (export_key(f"backend={b}") for b in ("eager", "aoti"))
+    assert len(set(plain)) == 1
+
+
 def test_the_lowering_key_holds_the_backends_own_code_and_toolchain() -> None:
     chosen = job("model=mlp")
     material = cache_keys.lower(chosen, {})

@@ -38,6 +38,8 @@ def model(job: JobConfig) -> dict[str, Any]:
             # What quantize=auto plans with, and the text it measures on: the plan, and so the
             # model, depends on both.
             "recipes": list(job.backend.quantize_recipes()),
+            # int4_weight's layers: PyTorch's int4 kernel's, or torchao's.
+            "int4_weight_packed": job.backend.int4_weight_packed,
             "eval_text": _digest(job.quantize.eval_text),
             "code": code_of(["exporter.quantize"]),
         }
