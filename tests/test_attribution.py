@@ -3,6 +3,7 @@ one kept float by quantize.skip."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import torch
@@ -11,6 +12,7 @@ from exporter.config import QuantizeConfig, QuantScheme
 from exporter.models import DynamicDim, ModelBundle
 from exporter.quantize import quantized
 from exporter.quantize.attribution import attribute
+from exporter.quantize.packed import PackedLinear
 from exporter.quantize.quality import next_token
 
 
@@ -78,3 +80,28 @@ def test_the_layer_whose_quantization_error_dominates_ranks_first_and_skip_keeps
         lost_all = next_token(float_logits, run(everything)[0]).kld_mean
         lost_kept = next_token(float_logits, run(kept)[0]).kld_mean
         assert lost_kept < lost_all / 5
+
+
+def test_a_backend_of_the_int4_kernel_has_each_layer_attributed_as_its_kernel_quantizes_it() -> (
+    None
+):
+    cfg = QuantizeConfig(scheme=QuantScheme("int4_weight"))
+    bundle = three_layers("mid", "up")
+    (inputs,) = bundle.make_inputs({"batch": 16}, 1)
+
+    def run(module: torch.nn.Module = bundle.module, x: torch.Tensor = inputs) -> list:
+        with torch.no_grad():
+            return [module(x)]
+
+    found = attribute(bundle.module, run, cfg, int4_weight_packed=True)
+    assert found.layers[0].name == "mid" and len(found.layers) == 3
+    # Each layer's cost is that of the int4 kernel's layer alone, as the quantize stage makes
+    # it for such a backend, not torchao's.
+    float_logits = run()[0]
+    model = quantized(bundle, cfg, None, int4_weight_packed=True).module
+    assert all(isinstance(model.get_submodule(n), PackedLinear) for n in ("up", "mid", "head"))
+    alone = copy.deepcopy(bundle.module)
+    alone.set_submodule("mid", model.get_submodule("mid"))
+    assert found.layers[0].quality.kld_mean == next_token(float_logits, run(alone)[0]).kld_mean
+    torchao = attribute(bundle.module, run, cfg).layers[0].quality.kld_mean
+    assert torchao != found.layers[0].quality.kld_mean
