@@ -1,16 +1,17 @@
-"""Inductor's options side by side for a KV-cache model's decode step through AOTInductor on
-CUDA: the model exported once (as the job exports it, from Hydra overrides of the job's
-config), compiled once per variant, each package's kernels per decode step counted, and then
-all of them timed in one process by bench/kv_decode.py, beside the exported program under
-`torch.compile(mode="reduce-overhead")`, with each decode step over the memory floor of its
-package (the time to read its bytes at the card's peak bandwidth).
+"""Inductor's options and changes of the program side by side for a KV-cache model's decode step
+through AOTInductor on CUDA: the model exported once per quantize scheme (as the job exports
+it, from Hydra overrides of the job's config), compiled once per variant, each package's kernels
+per decode step counted, and then all of them timed in one process by bench/kv_decode.py,
+beside the float program under `torch.compile(mode="reduce-overhead")`, with each decode step
+over the memory floor of its package (the time to read its bytes at the card's peak bandwidth).
 
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
-        --variants project freezing --slots 1024
+        --variants project freezing fused_projections --quantize none int4_weight --slots 1024
 
-`project` is the backend's own options (exporter/backends/aoti.py); every other
-variant adds its options to them. The kernel census profiles one decode step run without a CUDA
-graph: the kernels and their summed time on the GPU, the largest by time.
+`project` is the backend's own options (exporter/backends/aoti.py); every other variant adds
+its options to them, or changes the program (`fused_projections`). The kernel census profiles
+one decode step run without a CUDA graph: the kernels and their summed time on the GPU, the
+largest by time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.export.passes import move_to_device_pass
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import kv_decode
+from bench.projection_fusion import fused_projections
 from exporter import export, models, quantize
 from exporter.backends.aoti import _inductor_configs
 from exporter.benchmark import memory_floor
@@ -51,6 +53,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # Triton templates for the matmuls, benchmarked against cuBLAS at compile time.
     "max_autotune": {"max_autotune": True},
 }
+# Each variant's change of the program, with the backend's own options: projections that read
+# the same input fused into one matmul (bench/projection_fusion.py).
+PROGRAM_VARIANTS = {"fused_projections": fused_projections}
 
 
 def exported_program(overrides: Sequence[str], out: Path) -> Path:
@@ -74,16 +79,18 @@ def exported_program(overrides: Sequence[str], out: Path) -> Path:
     return export.run(bundle, job.export, out).path
 
 
-def compiled(program: Path, options: dict[str, object], package: Path) -> float:
-    """Seconds to compile `program` for this GPU into `package` with `options`."""
+def compiled(program: Path, variant: str, package: Path) -> float:
+    """Seconds to compile `program` for this GPU into `package` as `variant` says."""
     from torch._inductor import aoti_compile_and_package
 
-    on_gpu = move_to_device_pass(torch.export.load(program), torch.device("cuda", 0))
+    exported = torch.export.load(program)
+    if variant in PROGRAM_VARIANTS:
+        exported = PROGRAM_VARIANTS[variant](exported)
+    on_gpu = move_to_device_pass(exported, torch.device("cuda", 0))
     on_gpu = int4_kernels.program_for_cuda(on_gpu)
+    options = {**_inductor_configs(), **VARIANTS.get(variant, {})}
     started = time.perf_counter()
-    aoti_compile_and_package(
-        on_gpu, package_path=str(package), inductor_configs={**_inductor_configs(), **options}
-    )
+    aoti_compile_and_package(on_gpu, package_path=str(package), inductor_configs=options)
     return time.perf_counter() - started
 
 
@@ -110,7 +117,8 @@ def kernel_census(package: Path, top: int) -> tuple[int, float, list[tuple[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    every = [*VARIANTS, *PROGRAM_VARIANTS]
+    parser.add_argument("--variants", nargs="+", default=every, choices=every)
     parser.add_argument("--slots", type=int, default=1024, help="the cache's length")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=6, help="kernels listed per variant")
@@ -138,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = variant if scheme == "none" else f"{variant}-{scheme}"
             package = out / f"{variant}.pt2"
             try:
-                seconds = compiled(program, VARIANTS[variant], package)
+                seconds = compiled(program, variant, package)
             except Exception as error:
                 print(f"{name}: compiling failed: {type(error).__name__}: {error}"[:400])
                 continue
