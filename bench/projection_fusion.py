@@ -18,7 +18,9 @@ from collections import defaultdict
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+from torch.export.graph_signature import InputKind, InputSpec
+
+from runtimes.int4_kernels import buffer_before
 
 _LINEAR = torch.ops.aten.linear.default
 _INT4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
@@ -54,11 +56,13 @@ def fused_projections(program: ExportedProgram) -> ExportedProgram:
         name = weights[0] + "_fused"
         values = [state[weight] for weight in weights]
         sizes = [value.shape[0] for value in values]
-        fused = _new_buffer(first_user_input, specs, state, name, torch.cat(values), calls[0])
+        fused = buffer_before(first_user_input, specs, state, name, torch.cat(values), calls[0])
         args = [calls[0].args[0], fused]
         if key[0] is _INT4:
             table = torch.cat([state[buffer_of[call.args[3].name]] for call in calls], dim=1)
-            scales = _new_buffer(first_user_input, specs, state, name + "_scales", table, calls[0])
+            scales = buffer_before(
+                first_user_input, specs, state, name + "_scales", table, calls[0]
+            )
             args += [calls[0].args[2], scales]
         # Before the first of the calls: it reads only their input and buffers, and each call's
         # users come after that call.
@@ -100,26 +104,6 @@ def _call(graph: torch.fx.Graph, target: object, args: tuple) -> torch.fx.Node:
 def _fake_mode(values: list) -> object:
     first = values[0][0] if isinstance(values[0], list | tuple) else values[0]
     return first.fake_mode
-
-
-def _new_buffer(
-    first_user_input: torch.fx.Node,
-    specs: list[InputSpec],
-    state: dict[str, torch.Tensor],
-    name: str,
-    value: torch.Tensor,
-    like: torch.fx.Node,
-) -> torch.fx.Node:
-    """A new persistent buffer `name` holding `value`, among the buffers' placeholders; its
-    fake value of the fake mode `like`'s value is of."""
-    graph = first_user_input.graph
-    with graph.inserting_before(first_user_input):
-        node = graph.placeholder(name.replace(".", "_"))
-    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(value, static_shapes=True)
-    at = next(i for i, spec in enumerate(specs) if spec.kind is InputKind.USER_INPUT)
-    specs.insert(at, InputSpec(InputKind.BUFFER, TensorArgument(node.name), name, True))
-    state[name] = value
-    return node
 
 
 def _drop_unread(

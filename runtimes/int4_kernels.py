@@ -133,7 +133,7 @@ def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
                 weight.meta["val"] = _fake_like(weight, tiles)
                 repacked[name] = weight
             else:
-                repacked[name] = _buffer_before(
+                repacked[name] = buffer_before(
                     first_user_input, specs, state, name + CUDA_SUFFIX, tiles, weight
                 )
         call.target = _CUDA_KERNEL
@@ -143,7 +143,7 @@ def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
     return program._update(graph_module, new_signature, state_dict=state)
 
 
-def _buffer_before(
+def buffer_before(
     first_user_input: torch.fx.Node,
     specs: list[InputSpec],
     state: dict[str, torch.Tensor],
