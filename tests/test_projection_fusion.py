@@ -1,7 +1,7 @@
 """bench/projection_fusion.py, which bench/aoti_options.py measures on a GPU: projections that
 read the same input become one matmul (q/k/v and gate/up of each layer, bfloat16's linear
 layers and the int4 kernel's calls alike), their weights one buffer, and the program computes
-exactly what it did."""
+what it did."""
 
 from __future__ import annotations
 
@@ -46,4 +46,8 @@ def test_each_layers_projections_of_one_input_become_one_matmul_computing_the_sa
     per_weight = 2 if kernel == INT4 else 1
     assert len(program.state_dict) - len(fused.state_dict) == 2 * (5 - 2) * per_weight
     tokens, positions = torch.tensor([[3, 5, 7]]), torch.arange(3)
-    assert torch.equal(fused.module()(tokens, positions), program.module()(tokens, positions))
+    got, want = fused.module()(tokens, positions), program.module()(tokens, positions)
+    # A wider matmul may sum in another order on another CPU (equal on this AMD one): a few
+    # roundings of the output's dtype, where a wrong split would be wrong by the whole output.
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 4 * torch.finfo(want.dtype).eps * scale
