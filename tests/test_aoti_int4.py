@@ -167,6 +167,19 @@ def test_cuda_tiles_hold_every_code_once_and_unpack_to_the_cpu_packing(rows: int
     assert int((raw != raw_changed).sum()) == 1
 
 
+def test_the_first_int32_of_cudas_tiles_is_the_kernels_documented_packing() -> None:
+    # int4mm.cu packs lane 0's bytes v0..v3 (row 0, bytes 0, 4, 8, 12: codes 0-1, 8-9, 16-17,
+    # 24-25, the even column in the high nibble) as v3L v2L v1L v0L v3H v2H v1H v0H, v0H lowest.
+    codes = (torch.arange(64 * 256) % 13).view(64, 256).to(torch.int32)
+    tiles = int4_kernels.for_cuda(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+    row = codes[0]
+    expected = 0
+    for place, col in enumerate([0, 8, 16, 24, 1, 9, 17, 25]):
+        expected |= int(row[col]) << (4 * place)
+    word = tiles.reshape(-1)[0].item() & 0xFFFFFFFF
+    assert word == expected
+
+
 def test_the_audit_ties_cuda_tiles_to_the_cpu_packing_and_unpacks_a_changed_code() -> None:
     cpu_packing = _cpu_packing(128, 256)
     cuda_form = [form for form in forms(cpu_packing) if form.cuda_tiles]
