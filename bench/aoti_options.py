@@ -6,12 +6,16 @@ beside the float program under `torch.compile(mode="reduce-overhead")`, with eac
 over the memory floor of its package (the time to read its bytes at the card's peak bandwidth).
 
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
-        --variants project freezing fused_projections --quantize none int4_weight --slots 1024
+        --variants project no_decode_step fused_projections --quantize none int4_weight
 
-`project` is the backend's own options (exporter/backends/aoti.py); every other variant adds
-its options to them, or changes the program (`fused_projections`). The kernel census profiles
-one decode step run without a CUDA graph: the kernels and their summed time on the GPU, the
-largest by time.
+`project` is the package the backend makes (exporter/backends/aoti.py: the program, and its
+decode step compiled apart where `backend.decode_step`'s default makes it). Every other variant
+is `+`-joined parts, each adding options to the backend's own (`freezing`), or changing the
+program (`fused_projections`), or making the decode step or leaving it out whatever the default
+(`decode_step`, `no_decode_step`: every call runs the program as exported, its matmuls' rows
+symbolic).
+The kernel census profiles one decode step run without a CUDA graph: the kernels and their
+summed time on the GPU, the largest by time.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kv_decode
 from bench.projection_fusion import fused_projections
 from exporter import export, models, quantize
-from exporter.backends.aoti import _inductor_configs
+from exporter.backends import aoti
 from exporter.benchmark import memory_floor
 from exporter.command import schemas
 from exporter.config import to_job
 from runtimes import int4_kernels
-from runtimes.loaders.aoti import _load, _share_libstdcxx
+from runtimes.loaders.aoti import _load, _share_libstdcxx, calls
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -47,15 +51,20 @@ VARIANTS: dict[str, dict[str, object]] = {
     # Constant weights folded into the program: Inductor's freezing passes concatenate the
     # weights of projections that read the same input (q/k/v, gate/up) into one matmul.
     "freezing": {"freezing": True},
-    # Each Triton kernel's block sizes tuned by coordinate descent from the heuristic's choice.
+    # Each Triton kernel's block sizes tuned by coordinate descent from the heuristic's choice
+    # (the decode step is compiled with it already).
     "coordinate_descent": {"coordinate_descent_tuning": True},
-    "freezing+coordinate_descent": {"freezing": True, "coordinate_descent_tuning": True},
     # Triton templates for the matmuls, benchmarked against cuBLAS at compile time.
     "max_autotune": {"max_autotune": True},
 }
 # Each variant's change of the program, with the backend's own options: projections that read
 # the same input fused into one matmul (bench/projection_fusion.py).
 PROGRAM_VARIANTS = {"fused_projections": fused_projections}
+# backend.decode_step=true and false.
+DECODE_STEP = {"decode_step": True, "no_decode_step": False}
+PARTS = (*VARIANTS, *PROGRAM_VARIANTS, *DECODE_STEP)
+# The one-token call of the job's KV-cache programs: input_ids [1, 1], cache_position [1].
+ONE_TOKEN_SHAPES = ((1, 1), (1,))
 
 
 def exported_program(overrides: Sequence[str], out: Path) -> Path:
@@ -80,17 +89,24 @@ def exported_program(overrides: Sequence[str], out: Path) -> Path:
 
 
 def compiled(program: Path, variant: str, package: Path) -> float:
-    """Seconds to compile `program` for this GPU into `package` as `variant` says."""
-    from torch._inductor import aoti_compile_and_package
-
+    """Seconds to compile `program` for this GPU into `package` as `variant`'s parts say."""
+    parts = variant.split("+")
     exported = torch.export.load(program)
-    if variant in PROGRAM_VARIANTS:
-        exported = PROGRAM_VARIANTS[variant](exported)
-    on_gpu = move_to_device_pass(exported, torch.device("cuda", 0))
-    on_gpu = int4_kernels.program_for_cuda(on_gpu)
-    options = {**_inductor_configs(), **VARIANTS.get(variant, {})}
+    options: dict[str, object] = {}
+    backend = aoti.AotiConfig(device="cuda")
+    for part in parts:
+        if part in PROGRAM_VARIANTS:
+            exported = PROGRAM_VARIANTS[part](exported)
+        options.update(VARIANTS.get(part, {}))
+        backend.decode_step = DECODE_STEP.get(part, backend.decode_step)
+    cuda = torch.device("cuda", 0)
+    on_gpu = int4_kernels.program_for_cuda(move_to_device_pass(exported, cuda))
+    one_token = tuple(torch.zeros(s, dtype=torch.long, device=cuda) for s in ONE_TOKEN_SHAPES)
     started = time.perf_counter()
-    aoti_compile_and_package(on_gpu, package_path=str(package), inductor_configs=options)
+    step = None
+    if aoti.compiles_decode_step(backend, on_gpu):
+        step = aoti.decode_step_program(on_gpu, one_token)
+    aoti.package(on_gpu, package, step, options)
     return time.perf_counter() - started
 
 
@@ -99,7 +115,7 @@ def kernel_census(package: Path, top: int) -> tuple[int, float, list[tuple[str, 
     their summed GPU time in ms, and the `top` kernels by time (name, ms)."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
-    model = _load(package, single_threaded=False)
+    model = calls(_load(package, single_threaded=False))
     token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     for position in range(3):
         model(token, torch.tensor([position], device="cuda"))
@@ -117,8 +133,13 @@ def kernel_census(package: Path, top: int) -> tuple[int, float, list[tuple[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job's config")
-    every = [*VARIANTS, *PROGRAM_VARIANTS]
-    parser.add_argument("--variants", nargs="+", default=every, choices=every)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["project", "no_decode_step"],
+        type=_variant,
+        help=f"+-joined parts of {', '.join(PARTS)}",
+    )
     parser.add_argument("--slots", type=int, default=1024, help="the cache's length")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=6, help="kernels listed per variant")
@@ -144,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             float_program = program
         for variant in args.variants:
             name = variant if scheme == "none" else f"{variant}-{scheme}"
-            package = out / f"{variant}.pt2"
+            package = out / "packages" / f"{variant}.pt2"
+            package.parent.mkdir(exist_ok=True)
             try:
                 seconds = compiled(program, variant, package)
             except Exception as error:
@@ -173,6 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     contenders = [*packages, f"compiled=compile:{float_program}"] if compiled_too else packages
     timing = ["--slots", str(args.slots), "--max-prefill", "1", "--device", "cuda"]
     return kv_decode.main([*contenders, *timing, "--rounds", str(args.rounds)])
+
+
+def _variant(value: str) -> str:
+    unknown = [part for part in value.split("+") if part not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: no part {unknown[0]!r} in {PARTS}")
+    return value
 
 
 if __name__ == "__main__":

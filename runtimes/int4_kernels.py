@@ -105,6 +105,11 @@ def _cuda_tiles(cols: int) -> int:
     return next(tiles for tiles in (8, 4, 2) if cols % (16 * tiles) == 0)
 
 
+def computes_with_int4_kernel(program: ExportedProgram) -> bool:
+    """Whether `program` calls either device's int4 kernel."""
+    return any(node.target in (_CPU_KERNEL, _CUDA_KERNEL) for node in program.graph.nodes)
+
+
 def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
     """`program` (its weights on the CUDA device) with every call of the CPU's kernel made one of
     CUDA's; the program itself where it has none. A weight the CPU kernel alone reads is

@@ -1,8 +1,9 @@
 """The weights an AOTInductor package carries. The project packages them as one pickled tensor
 per weight (exporter/backends/aoti.py: data/weights/, mapped by
 data/aotinductor/<model>/weights_config.json from each weight's fully qualified name to its file
-and its view: shape, stride, offset; weights that share storage share a file). The package's
-wrapper.cpp declares every constant its compiled code reads (`constants_info_[i].original_fqn`).
+and its view: shape, stride, offset; weights that share storage share a file, across models
+too: a decode step's config names the model's files). The package's wrapper.cpp declares every
+constant its compiled code reads (`constants_info_[i].original_fqn`).
 """
 
 from __future__ import annotations
@@ -48,12 +49,18 @@ def package_weights(path: Path) -> tuple[list[Constant], set[str], bool]:
 
 
 def _weights(archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str]) -> Iterator[Constant]:
+    """Each weight once per view of a file: two models reading one weight's file as one view
+    read one weight; a model with its own copy has it checked too."""
+    seen: set[tuple[str, str, str]] = set()
     for config_name in configs:
         root = config_name.split("data/aotinductor/")[0]
         config: Mapping[str, list] = json.loads(archive.read(config_name))
         by_file: dict[str, list[tuple[str, list]]] = {}
         for fqn, entry in config.items():
-            by_file.setdefault(entry[0], []).append((fqn, entry))
+            view = (root, fqn, json.dumps(entry))
+            if view not in seen:
+                seen.add(view)
+                by_file.setdefault(entry[0], []).append((fqn, entry))
         for file, entries in by_file.items():
             # One file's tensor at a time, and each weight's bytes taken from it. A package
             # compiled for the GPU pickled its weights there: read them onto the host.
