@@ -7,15 +7,17 @@ over the memory floor of its package (the time to read its bytes at the card's p
 
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
         --variants project no_decode_step fused_projections --quantize none int4_weight
+    python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
+        dynamic.seq.max=1024 --slots 2048 --variants project --prefills 128 1024
 
 `project` is the package the backend makes (exporter/backends/aoti.py: the program, and its
 decode step compiled apart where `backend.decode_step`'s default makes it). Every other variant
 is `+`-joined parts, each adding options to the backend's own (`freezing`), or changing the
 program (`fused_projections`), or making the decode step or leaving it out whatever the default
 (`decode_step`, `no_decode_step`: every call runs the program as exported, its matmuls' rows
-symbolic).
-The kernel census profiles one decode step run without a CUDA graph: the kernels and their
-summed time on the GPU, the largest by time.
+symbolic). The kernel census profiles one decode step run without a CUDA graph: the kernels
+and their summed time on the GPU, the largest by time. `--prefills` times prompts of those
+lengths too (bench/kv_decode.py), each within the program's `dynamic.seq.max`.
 """
 
 from __future__ import annotations
@@ -146,6 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/aoti-options"))
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument(
+        "--prefills",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="prompt lengths timed beside the decode steps (each within dynamic.seq.max)",
+    )
+    parser.add_argument(
         "--quantize", nargs="+", default=["none"], help="quantize schemes, each exported apart"
     )
     args = parser.parse_args(argv)
@@ -194,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     compiled_too = float_program is not None and not args.no_compile
     contenders = [*packages, f"compiled=compile:{float_program}"] if compiled_too else packages
     timing = ["--slots", str(args.slots), "--max-prefill", "1", "--device", "cuda"]
+    timing += ["--prefills", *map(str, args.prefills)]
     return kv_decode.main([*contenders, *timing, "--rounds", str(args.rounds)])
 
 
