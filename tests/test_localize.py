@@ -133,13 +133,13 @@ def test_a_rewrite_wrong_below_the_bound_is_named_with_its_source_line(
         for_xnnpack = xnnpack_rewrites.for_xnnpack
         monkeypatch.setattr(xnnpack_rewrites, "for_xnnpack", lambda p: rewrite(for_xnnpack(p)))
     else:
-        from torch import _inductor as inductor
+        from exporter.backends import aoti
 
-        compile_package = inductor.aoti_compile_and_package
+        package = aoti.package
         monkeypatch.setattr(
-            inductor,
-            "aoti_compile_and_package",
-            lambda program, **kwargs: compile_package(rewrite(program), **kwargs),
+            aoti,
+            "package",
+            lambda program, *args, **kwargs: package(rewrite(program), *args, **kwargs),
         )
     record, report = job_in_process(tmp_path / "run", "model=rms_norm_chain", f"backend={backend}")
 
