@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from tabulate import tabulate
-from torch.export.passes import move_to_device_pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,7 +41,7 @@ from exporter.backends import aoti
 from exporter.benchmark import memory_floor
 from exporter.command import schemas
 from exporter.config import to_job
-from runtimes import int4_kernels
+from exporter.export import Exported
 from runtimes.loaders.aoti import _load, _share_libstdcxx, calls
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -70,11 +69,9 @@ PROGRAM_VARIANTS = {"fused_projections": fused_projections}
 # backend.decode_step=true and false.
 DECODE_STEP = {"decode_step": True, "no_decode_step": False}
 PARTS = (*VARIANTS, *PROGRAM_VARIANTS, *DECODE_STEP)
-# The one-token call of the job's KV-cache programs: input_ids [1, 1], cache_position [1].
-ONE_TOKEN_SHAPES = ((1, 1), (1,))
 
 
-def exported_program(overrides: Sequence[str], out: Path) -> Path:
+def exported_program(overrides: Sequence[str], out: Path) -> Exported:
     """The job's export of the model that `overrides` compose, with a static KV cache."""
     schemas.register_schemas()
     with initialize_config_dir(str(CONF_DIR), version_base=None):
@@ -92,28 +89,24 @@ def exported_program(overrides: Sequence[str], out: Path) -> Path:
     bundle = models.build(job.model, job.dynamic)
     if job.quantize.enabled:
         bundle = quantize.quantized(bundle, job.quantize, None, job.backend.int4_weight_packed)
-    return export.run(bundle, job.export, out).path
+    return export.run(bundle, job.export, out)
 
 
-def compiled(program: Path, variant: str, package: Path) -> float:
-    """Seconds to compile `program` for this GPU into `package` as `variant`'s parts say."""
+def compiled(exported: Exported, variant: str, package: Path) -> float:
+    """Seconds to compile the exported program for this GPU into `package` as the backend does,
+    with what `variant`'s parts change."""
     parts = variant.split("+")
-    exported = torch.export.load(program)
+    # Loaded anew: moving a program to the GPU moves its own weights (move_to_device_pass).
+    program = torch.export.load(exported.path)
     options: dict[str, object] = {}
     backend = aoti.AotiConfig(device="cuda")
     for part in parts:
         if part in PROGRAM_VARIANTS:
-            exported = PROGRAM_VARIANTS[part](exported)
+            program = PROGRAM_VARIANTS[part](program)
         options.update(VARIANTS.get(part, {}))
         backend.decode_step = DECODE_STEP.get(part, backend.decode_step)
-    cuda = torch.device("cuda", 0)
-    on_gpu = int4_kernels.program_for_cuda(move_to_device_pass(exported, cuda))
-    one_token = tuple(torch.zeros(s, dtype=torch.long, device=cuda) for s in ONE_TOKEN_SHAPES)
     started = time.perf_counter()
-    step = None
-    if aoti.compiles_decode_step(backend, on_gpu):
-        step = aoti.decode_step_program(on_gpu, one_token)
-    aoti.package(on_gpu, package, step, options)
+    aoti.compile_package(program, aoti.one_token_call(exported), backend, package, options)
     return time.perf_counter() - started
 
 
@@ -173,16 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         overrides = [*args.overrides, f"model.max_cache_len={args.slots}", f"quantize={scheme}"]
-        program = exported_program(overrides, out)
-        print(f"{scheme}: exported in {time.perf_counter() - started:.0f} s: {program}")
+        exported = exported_program(overrides, out)
+        print(f"{scheme}: exported in {time.perf_counter() - started:.0f} s: {exported.path}")
         if scheme == "none":
-            float_program = program
+            float_program = exported.path
         for variant in args.variants:
             name = variant if scheme == "none" else f"{variant}-{scheme}"
             package = out / "packages" / f"{variant}.pt2"
             package.parent.mkdir(exist_ok=True)
             try:
-                seconds = compiled(program, variant, package)
+                seconds = compiled(exported, variant, package)
             except Exception as error:
                 print(f"{name}: compiling failed: {type(error).__name__}: {error}"[:400])
                 continue

@@ -97,10 +97,7 @@ class Aoti(Backend):
     def lower(
         self, exported: Exported, config: AotiConfig, fallback: FallbackConfig, out_dir: Path
     ) -> Artifact:
-        from torch.export.passes import move_to_device_pass
-
         from exporter.backends.common import torch_device
-        from runtimes import int4_kernels
 
         if fallback.ops or fallback.min_block_size > 1:
             log.warning(
@@ -109,30 +106,10 @@ class Aoti(Backend):
             )
         log.info("[lower] AOTInductor: compiling for %s", torch_device.describe(config.device))
         progress.doing("AOTInductor compiles the program and packages it")
-        program = exported.program
-        device = torch_device.indexed(config.device)
-        if config.device != "cpu":
-            program = move_to_device_pass(program, device)
-            program = int4_kernels.program_for_cuda(program)
-        compiles_step = compiles_decode_step(config, program)
-        one_token = _one_token_call(exported, device) if compiles_step else None
-        decode_step = None
-        if compiles_step and one_token is None and config.decode_step:
-            log.warning(
-                "[lower] backend.decode_step=true: the program has no KV cache whose smallest "
-                "call is one token, so there is no decode step to compile apart"
-            )
-        if one_token is not None:
-            log.info(
-                "[lower] AOTInductor: the one-token call (%s) compiled apart too, as the "
-                "package's decode step",
-                ", ".join(f"{p.name} {list(p.min_shape)}" for p in exported.inputs),
-            )
-            decode_step = decode_step_program(program, one_token)
         target = self.output(config)
         path = out_dir / target.file
         with atomic_path(path) as temporary:
-            package(program, temporary, decode_step)
+            compile_package(exported.program, one_token_call(exported), config, temporary)
         return Artifact.at(path, target, partition=None)
 
 
@@ -143,6 +120,44 @@ BACKEND = Aoti(schema=AotiConfig, runtime="aoti", delegate=None, audit=WeightsRe
 # decomposition in torch/_inductor/decomposition.py), into which it fuses the ops around it,
 # and tunes each kernel's block sizes.
 DECODE_STEP_OPTIONS: Mapping[str, object] = {"coordinate_descent_tuning": True}
+
+
+def compile_package(
+    program: ExportedProgram,
+    one_token: tuple[torch.Tensor, ...] | None,
+    config: AotiConfig,
+    path: Path,
+    options: Mapping[str, object] | None = None,
+) -> None:
+    """`program` (on the CPU) compiled for `config.device` into the package at `path`, with
+    `options` beyond the backend's own: moved to the device (CUDA's int4 kernel for the CPU's),
+    and with its decode step where `compiles_decode_step` says and the program has a one-token
+    call (`one_token`, one_token_call's inputs)."""
+    from torch.export.passes import move_to_device_pass
+
+    from exporter.backends.common import torch_device
+    from runtimes import int4_kernels
+
+    device = torch_device.indexed(config.device)
+    if config.device != "cpu":
+        program = int4_kernels.program_for_cuda(move_to_device_pass(program, device))
+    decode_step = None
+    if compiles_decode_step(config, program):
+        if one_token is None:
+            if config.decode_step:
+                log.warning(
+                    "[lower] backend.decode_step=true: the program has no KV cache whose "
+                    "smallest call is one token, so there is no decode step to compile apart"
+                )
+        else:
+            log.info(
+                "[lower] AOTInductor: the one-token call (%s) compiled apart too, as the "
+                "package's decode step",
+                ", ".join(str(list(x.shape)) for x in one_token),
+            )
+            on_device = tuple(x.to(device) for x in one_token)
+            decode_step = decode_step_program(program, on_device)
+    package(program, path, decode_step, options)
 
 
 def decode_step_program(
@@ -201,10 +216,9 @@ def compiles_decode_step(config: AotiConfig, program: ExportedProgram) -> bool:
     return config.device != "cpu" and not int4_kernels.computes_with_int4_kernel(program)
 
 
-def _one_token_call(exported: Exported, device: str) -> tuple[torch.Tensor, ...] | None:
-    """The inputs (on `device`) of the program's smallest call where that call is one decode
-    step: the program has a KV cache, and its smallest call is one token (each dynamic dim at
-    1)."""
+def one_token_call(exported: Exported) -> tuple[torch.Tensor, ...] | None:
+    """The inputs of the program's smallest call where that call is one decode step: the
+    program has a KV cache, and its smallest call is one token (each dynamic dim at 1)."""
     import torch
 
     metadata = exported.runner_metadata
@@ -212,7 +226,7 @@ def _one_token_call(exported: Exported, device: str) -> tuple[torch.Tensor, ...]
         return None
     if any(profile.min_shape[axis] != 1 for profile in exported.inputs for axis in profile.dims):
         return None
-    return tuple(torch.zeros(p.min_shape, dtype=p.dtype, device=device) for p in exported.inputs)
+    return tuple(torch.zeros(p.min_shape, dtype=p.dtype) for p in exported.inputs)
 
 
 def _inductor_configs() -> dict[str, object]:
