@@ -27,15 +27,6 @@ SMALL = WhisperConfig(
 )
 
 
-class _Encode(torch.nn.Module):
-    def __init__(self, whisper: WhisperCacheLM) -> None:
-        super().__init__()
-        self.whisper = whisper
-
-    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
-        return self.whisper.encode(input_features)
-
-
 def test_encode_then_prefill_and_decode_steps_are_transformers_logits() -> None:
     torch.manual_seed(0)
     model = WhisperForConditionalGeneration(SMALL).eval()
@@ -56,7 +47,7 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
     features = torch.randn(1, 80, 3000)
     tokens = torch.randint(0, 96, (1, 5))
     seq = torch.export.Dim("seq", min=1, max=16)
-    encode = torch.export.export(_Encode(whisper), (features,), strict=True)
+    encode = torch.export.export(whisper.encoder_view(), (features,), strict=True)
     decode = torch.export.export(
         whisper, (tokens, torch.arange(5)), dynamic_shapes=({1: seq}, {0: seq}), strict=True
     )
@@ -68,3 +59,5 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
         encode.module()(features)
         actual = decode.module()(tokens, torch.arange(5))
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
+    # The methods name their shared state alike, as ExecuTorch's share_mutable_buffers needs.
+    assert set(encode.constants) <= set(decode.constants)

@@ -7,6 +7,8 @@ AOTInductor's models packaged from them share them by construction)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import WhisperForConditionalGeneration
@@ -33,6 +35,14 @@ class WhisperCacheLM(torch.nn.Module):
                 self.register_buffer(
                     f"{name}_{layer}", torch.zeros(shape, dtype=dtype), persistent=False
                 )
+
+    def encoder_view(self) -> torch.nn.Module:
+        """This module with `encode` as its forward, over the same parameters and buffers under
+        the same names: what torch.export takes for the encode method, so that both programs
+        name their shared state alike."""
+        view = copy.copy(self)
+        view.__class__ = _EncodeView
+        return view
 
     def _split(self, states: torch.Tensor) -> torch.Tensor:
         return states.view(1, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -79,3 +89,7 @@ class WhisperCacheLM(torch.nn.Module):
             normed = layer.final_layer_norm(hidden)
             hidden = hidden + layer.fc2(layer.activation_fn(layer.fc1(normed)))
         return self.model.proj_out(decoder.layer_norm(hidden))
+
+
+class _EncodeView(WhisperCacheLM):
+    forward = WhisperCacheLM.encode
