@@ -36,7 +36,10 @@ class Loaded(Protocol):
     without the copies (exporter/benchmark/): `upload(inputs)` copies the inputs to the target,
     `execute(resident)` computes, `download(produced)` copies the outputs back as CPU tensors;
     `clock` names what times `execute`: "cpu" (it returns once done, a host clock times it) or
-    "cuda" (it returns once the kernels are queued; CUDA events time it)."""
+    "cuda" (it returns once the kernels are queued; CUDA events time it).
+
+    An artifact of a decoder that attends to an encoded input (Whisper's) also has
+    `encode(inputs)`, its encode method, which writes the state its `run` then reads."""
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 

@@ -15,10 +15,17 @@ from runtimes.cpu_arithmetic import describe_cpu
 class OnDevice:
     """A callable artifact on a torch device. On CUDA, `execute` returns once the kernels are
     queued (its `clock` says so, and a benchmark times it with CUDA events); `upload` and
-    `download` return once their copies are done."""
+    `download` return once their copies are done. `encode`: the artifact's encode method, where
+    it has one (Loaded)."""
 
-    def __init__(self, artifact: Callable[..., Any], device: torch.device) -> None:
+    def __init__(
+        self,
+        artifact: Callable[..., Any],
+        device: torch.device,
+        encode: Callable[..., Any] | None = None,
+    ) -> None:
         self._artifact = artifact
+        self._encode = encode
         self._device = device
         self.clock = "cuda" if device.type == "cuda" else "cpu"
         # What ran it, as `Loaded.target` says: a GPU by its name (tags target.cuda_device), a
@@ -44,6 +51,13 @@ class OnDevice:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self.download(self.execute(self.upload(inputs)))
+
+    def encode(self, inputs: Sequence[torch.Tensor]) -> None:
+        if self._encode is None:
+            raise ValueError("the artifact has no encode method")
+        with torch.no_grad():
+            self._encode(*self.upload(inputs))
+        _synchronize(self._device)
 
 
 def _synchronize(device: torch.device) -> None:

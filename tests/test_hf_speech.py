@@ -1,12 +1,23 @@
-"""exporter/models/hf_speech.py (issue 43, WIP): Whisper as `encode` plus a decoder with a static
-cache computes transformers' logits, in a prefill and in decode steps, and both methods export."""
+"""Whisper (exporter/models/hf_speech.py): `encode` plus a decoder with a static cache computes
+transformers' logits in a prefill and in decode steps, both methods export, and a Whisper
+checkpoint's job judges every decode step of sessions that each start with a clip of their own,
+through eager and AOTInductor, where an encode method that writes another cache fails them."""
 
 from __future__ import annotations
 
+import zipfile
+from pathlib import Path
+
+import pytest
 import torch
+from torch.export.pt2_archive._package import load_pt2
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 
+from exporter.backends import aoti
+from exporter.config import to_job
+from exporter.errors import ConfigError
 from exporter.models.hf_speech import WhisperCacheLM
+from tests.conftest import composed, job_in_process
 
 SMALL = WhisperConfig(
     vocab_size=96,
@@ -61,3 +72,91 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
     # The methods name their shared state alike, as ExecuTorch's share_mutable_buffers needs.
     assert set(encode.constants) <= set(decode.constants)
+
+
+@pytest.fixture(scope="module")
+def whisper_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("whisper")
+    torch.manual_seed(0)
+    WhisperForConditionalGeneration(SMALL).save_pretrained(directory)
+    return directory
+
+
+def _job(checkpoint: Path, *overrides: str) -> tuple[str, ...]:
+    return (
+        "model=hf",
+        f"model.checkpoint={checkpoint}",
+        "model.kv_cache=static",
+        "model.max_cache_len=16",
+        "dynamic.seq.max=8",
+        *overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def aoti_job(whisper_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    run_dir = tmp_path_factory.mktemp("whisper-aoti")
+    return run_dir, *job_in_process(run_dir, *_job(whisper_checkpoint, "backend=aoti"))
+
+
+def _assert_every_step_passed(report: dict) -> None:
+    steps = [e["shape"] for e in report["executions"]]
+    # Three sessions (prefills 1, 5 and 8), each with a clip of its own, judged to the last slot.
+    assert {s["session"] for s in steps} == {0, 1, 2}
+    assert {s["session"] for s in steps if s["pos"] == 15} == {0, 1, 2}
+    assert all(e["passed"] for e in report["executions"])
+    assert max(o["ratio"] for e in report["executions"] for o in e["outputs"]) < 4
+    greedy = report["greedy"]
+    assert greedy["artifact"] == greedy["eager"] == greedy["oracle"] and len(greedy["oracle"]) == 8
+
+
+def test_a_whisper_checkpoint_is_judged_at_every_decode_step_after_its_clip(
+    whisper_checkpoint: Path, tmp_path: Path
+) -> None:
+    record, report = job_in_process(tmp_path, *_job(whisper_checkpoint, "backend=eager"))
+    assert record.error is None
+    _assert_every_step_passed(report)
+    goldens = torch.load(tmp_path / "bundle" / "goldens.pt", weights_only=True)
+    clips = [session["encoded"] for session in goldens["sessions"]]
+    # Each session's clip is its own: features of tones, not one input reused.
+    assert [tuple(c.shape) for c in clips] == [(1, 80, 3000)] * 3
+    assert not torch.equal(clips[0], clips[1]) and not torch.equal(clips[1], clips[2])
+
+
+@pytest.mark.slow
+def test_whisper_through_aoti_shares_the_cross_attention_cache_and_passes(aoti_job: tuple) -> None:
+    run_dir, record, report = aoti_job
+    assert record.error is None
+    _assert_every_step_passed(report)
+    with zipfile.ZipFile(run_dir / "model.pt2") as archive:
+        names = archive.namelist()
+    assert any("/encode/" in name for name in names) and any("/model/" in name for name in names)
+
+
+@pytest.mark.slow
+def test_an_encode_method_over_a_cache_of_its_own_fails_every_step(
+    whisper_checkpoint: Path, aoti_job: tuple, tmp_path: Path
+) -> None:
+    # The fault the shared state prevents: an encode method loaded apart writes a
+    # cross-attention cache that the decoder never reads, so it attends to zeros at every step.
+    program_file = aoti_job[0] / "program.pt2"
+    model = load_pt2(program_file).exported_programs["model"]
+    apart = load_pt2(program_file).exported_programs["encode"]
+    faulty = tmp_path / "model.pt2"
+    aoti.package(model, faulty, encode=apart)
+    record, report = job_in_process(
+        tmp_path / "run", *_job(whisper_checkpoint, "backend=aoti", f"artifact={faulty}")
+    )
+    assert record.error is not None
+    assert len(report["executions"]) == 26 and not any(e["passed"] for e in report["executions"])
+
+
+def test_a_whisper_checkpoint_needs_a_static_cache_and_a_backend_with_two_methods(
+    whisper_checkpoint: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"add model\.kv_cache=static"):
+        to_job(composed("model=hf", f"model.checkpoint={whisper_checkpoint}"))
+    with pytest.raises(ConfigError, match=r"backend=executorch: .* a speech recognizer"):
+        to_job(composed(*_job(whisper_checkpoint, "backend=executorch")))
+    with pytest.raises(ConfigError, match=r"quantize=int4_weight: .* float only"):
+        to_job(composed(*_job(whisper_checkpoint, "backend=aoti", "quantize=int4_weight")))

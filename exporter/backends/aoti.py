@@ -46,6 +46,7 @@ class AotiConfig(BackendConfig):
 
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     runtime_guards_refusal: ClassVar[str] = ""
+    encode_method_refusal: ClassVar[str] = ""
     # torchao's quantized layers run as PyTorch computes them (Inductor compiles the
     # dequantization into its kernels); int4_weight and quantize=auto's layers through
     # PyTorch's int4 kernel.
@@ -109,7 +110,13 @@ class Aoti(Backend):
         target = self.output(config)
         path = out_dir / target.file
         with atomic_path(path) as temporary:
-            compile_package(exported.program, one_token_call(exported), config, temporary)
+            compile_package(
+                exported.program,
+                one_token_call(exported),
+                config,
+                temporary,
+                encode=exported.encode,
+            )
         return Artifact.at(path, target, partition=None)
 
 
@@ -128,11 +135,13 @@ def compile_package(
     config: AotiConfig,
     path: Path,
     options: Mapping[str, object] | None = None,
+    encode: ExportedProgram | None = None,
 ) -> None:
     """`program` (on the CPU) compiled for `config.device` into the package at `path`, with
     `options` beyond the backend's own: moved to the device (CUDA's int4 kernel for the CPU's),
     and with its decode step where `compiles_decode_step` says and the program has a one-token
-    call (`one_token`, one_token_call's inputs)."""
+    call (`one_token`, one_token_call's inputs); with its decoder's `encode` method, where it
+    has one, as a model of the package that shares the program's state."""
     from torch.export.passes import move_to_device_pass
 
     from exporter.backends.common import torch_device
@@ -141,6 +150,9 @@ def compile_package(
     device = torch_device.indexed(config.device)
     if config.device != "cpu":
         program = int4_kernels.program_for_cuda(move_to_device_pass(program, device))
+        encode = None if encode is None else move_to_device_pass(encode, device)
+    if encode is not None:
+        encode = sharing_state(encode, program)
     decode_step = None
     if compiles_decode_step(config, program):
         if one_token is None:
@@ -157,7 +169,21 @@ def compile_package(
             )
             on_device = tuple(x.to(device) for x in one_token)
             decode_step = decode_step_program(program, on_device)
-    package(program, path, decode_step, options)
+    package(program, path, decode_step, options, encode)
+
+
+def sharing_state(encode: ExportedProgram, program: ExportedProgram) -> ExportedProgram:
+    """`encode` with each weight and buffer that `program` has under the same name made
+    `program`'s tensor: the package then stores it once, and the loader hands both models the
+    same tensor, so what encode writes (a decoder's cross-attention cache) the program reads."""
+    for own, theirs in (
+        (encode.state_dict, program.state_dict),
+        (encode.constants, program.constants),
+    ):
+        for name in own:
+            if name in theirs:
+                own[name] = theirs[name]
+    return encode
 
 
 def decode_step_program(
@@ -175,16 +201,18 @@ def package(
     path: Path,
     decode_step: ExportedProgram | None = None,
     options: Mapping[str, object] | None = None,
+    encode: ExportedProgram | None = None,
 ) -> None:
     """`program` compiled into the package at `path` (its name ends in .pt2), with `options`
     beyond the backend's own; `decode_step` compiled beside it, its call's shapes in its
-    metadata. Weights the two share (the same tensors) are packaged once."""
+    metadata; `encode` too. Weights they share (the same tensors) are packaged once."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
 
-    from runtimes.loaders.aoti import CALL_SHAPES, DECODE_STEP, MODEL
+    from runtimes.loaders.aoti import CALL_SHAPES, DECODE_STEP, ENCODE, MODEL
 
-    models = {MODEL: program} if decode_step is None else {MODEL: program, DECODE_STEP: decode_step}
+    models = {MODEL: program, DECODE_STEP: decode_step, ENCODE: encode}
+    models = {name: model for name, model in models.items() if model is not None}
     compiled = {}
     for name, model in models.items():
         args, kwargs = model.example_inputs

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 class EagerConfig(BackendConfig):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     runtime_guards_refusal: ClassVar[str] = ""
+    encode_method_refusal: ClassVar[str] = ""
     # torchao's quantized layers run as PyTorch computes them.
     quant_schemes: ClassVar[tuple[QuantScheme, ...]] = tuple(QuantScheme)
     embedding_quants: ClassVar[tuple[EmbeddingQuant, ...]] = tuple(EmbeddingQuant)

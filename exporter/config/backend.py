@@ -50,6 +50,9 @@ class BackendConfig:
     # Why it does not lower a program whose unproven guards are asserts checked at run time
     # (export.guards=runtime); empty where it does.
     runtime_guards_refusal: ClassVar[str] = "no job has lowered such a program with it yet"
+    # Why it does not lower a model with an encode method beside its decoder (Whisper's
+    # encoder, which fills the decoder's cross-attention cache once a clip); empty where it does.
+    encode_method_refusal: ClassVar[str] = "its lowering carries one method, not a second yet"
 
     name: str = MISSING
     atol: float = MISSING

@@ -101,6 +101,11 @@ _TABLES = {
         ("models", "auto", "modeling_auto.py"),
         "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     ),
+    # The model types AutoModelForSpeechSeq2Seq loads (Whisper), each with its class.
+    "speech_recognizers": (
+        ("models", "auto", "modeling_auto.py"),
+        "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    ),
     # The model types AutoModelForImageClassification loads, each with its class or classes.
     "image_classifiers": (
         ("models", "auto", "modeling_auto.py"),
@@ -125,18 +130,22 @@ class HfTask(Enum):
     """What a checkpoint's architecture computes, which model=hf exports: a causal LM's logits
     (`causal_lm`), an encoder-only text model's masked-LM logits (`masked_lm`) or its last
     hidden state (`encoder`, saved headless), an image classifier's logits
-    (`image_classification`)."""
+    (`image_classification`), Whisper's next-token logits after its encoder read a clip
+    (`speech_recognition`)."""
 
     causal_lm = "causal_lm"
     masked_lm = "masked_lm"
     encoder = "encoder"
     image_classification = "image_classification"
+    speech_recognition = "speech_recognition"
 
     @property
     def kind(self) -> str:
         """What a model of this task is, in a message."""
         if self is HfTask.image_classification:
             return "an image classifier"
+        if self is HfTask.speech_recognition:
+            return "a speech recognizer"
         if self is HfTask.causal_lm:
             return "a causal LM"
         return "an encoder-only text model"
@@ -173,6 +182,7 @@ class TaskTables:
     headless: ClassNames
     encoder_decoders: ClassNames
     image_classifiers: ClassNames
+    speech_recognizers: ClassNames
 
 
 def task_of(directory: Path, model_type: object, saved_as: list[str], tables: TaskTables) -> HfTask:
@@ -193,6 +203,13 @@ def task_of(directory: Path, model_type: object, saved_as: list[str], tables: Ta
         and set(_names([classifiers[model_type]])).intersection(saved_as)
     ):
         return HfTask.image_classification
+    speech = tables.speech_recognizers
+    if (
+        model_type == "whisper"
+        and model_type in speech
+        and set(_names([speech[model_type]])).intersection(saved_as)
+    ):
+        return HfTask.speech_recognition
     # The masked-LM table holds encoder-decoders too (bart -> BartForConditionalGeneration),
     # whose inputs and outputs are a decoder's as well.
     if (

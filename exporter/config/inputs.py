@@ -30,7 +30,9 @@ def checked_inputs(job: JobConfig) -> JobConfig:
     checkpoint = getattr(job.model, "checkpoint", None)
     if checkpoint is not None:
         architecture = _check_checkpoint(checkpoint)
-        if architecture is not None and architecture.task is not HfTask.causal_lm:
+        if architecture is not None and architecture.task is HfTask.speech_recognition:
+            _check_speech_job(job, checkpoint, architecture)
+        elif architecture is not None and architecture.task is not HfTask.causal_lm:
             _check_non_causal_job(job, checkpoint, architecture)
     for op in job.fallback.ops:
         _check_declared(op)
@@ -94,6 +96,42 @@ def _check_non_causal_job(job: JobConfig, checkpoint: str, architecture: Archite
     for setting, chosen in causal_only:
         if chosen:
             raise architecture.causal_only(setting, checkpoint)
+
+
+def _check_speech_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
+    """A speech recognizer (Whisper) is model=hf's, decodes with a static KV cache after its
+    encode method reads a clip, with a backend that lowers both methods, and takes none of what
+    only a causal LM's text settings or the quantizers take yet."""
+    kind = f"{architecture.task.kind} (model_type {architecture.model_type!r})"
+    if not isinstance(job.model, HfConfig):
+        raise ConfigError(
+            f"model.checkpoint={checkpoint}: {kind}, and model={job.model.name} loads causal "
+            f"LMs; use model=hf model.kv_cache=static model.checkpoint={checkpoint}."
+        )
+    if job.model.kv_cache is not KvCache.static:
+        raise ConfigError(
+            f"model.checkpoint={checkpoint} is {kind}, whose decoder runs with a static KV "
+            "cache filled one token at a time: add model.kv_cache=static."
+        )
+    refusal = job.backend.encode_method_refusal
+    if refusal:
+        raise ConfigError(
+            f"backend={job.backend.name}: model.checkpoint={checkpoint} is {kind}, an encode "
+            f"method beside its decoder, and {refusal}; use backend=aoti or backend=eager."
+        )
+    unsupported = (
+        ("validate.prompt", job.validate.prompt is not None),
+        (f"quantize={job.quantize.scheme.value}", job.quantize.scheme is not QuantScheme.none),
+        ("quantize.eval_text", job.quantize.eval_text is not None),
+        ("quantize.llama_cpp", job.quantize.llama_cpp),
+    )
+    for setting, chosen in unsupported:
+        if chosen:
+            raise ConfigError(
+                f"{setting}: model.checkpoint={checkpoint} is {kind}, which is exported in "
+                f"float only, its sessions decoding after a clip; leave {setting.split('=')[0]} "
+                "unset."
+            )
 
 
 def _listed(names: Iterable[str]) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.pt2_archive._package import load_pt2, package_pt2
 
 from exporter.config import ExportConfig, ExportFailurePolicy, GuardPolicy
 from exporter.errors import ExportFailed
@@ -25,13 +26,27 @@ from exporter.export.diagnosis import Diagnosis, diagnose
 from exporter.files import atomic_path
 from exporter.models import ModelBundle, RunnerMetadata
 
+# The names of the programs in PROGRAM_FILE: the model's, which torch.export.load reads, and its
+# decoder's encode method (Decoder.encoding) where it has one.
+from runtimes.loaders.eager import ENCODE, MODEL
+
 log = logging.getLogger(__name__)
 
 PROGRAM_FILE = "program.pt2"
 # Where strict export has Dynamo install what it captured (_dynamo_capture_released).
 _CAPTURING_MODULE = "torch._dynamo.functional_export"
 
-__all__ = ["PROGRAM_FILE", "Diagnosis", "ExportDiagnosed", "Exported", "load", "profiles", "run"]
+__all__ = [
+    "ENCODE",
+    "MODEL",
+    "PROGRAM_FILE",
+    "Diagnosis",
+    "ExportDiagnosed",
+    "Exported",
+    "load",
+    "profiles",
+    "run",
+]
 
 
 class ExportDiagnosed(ExportFailed):
@@ -53,6 +68,9 @@ class Exported:
     # What an LLM runner reads of the artifact (ModelBundle.runner_metadata): a backend whose
     # format holds such metadata writes it (ExecuTorch's .pte, as methods returning constants).
     runner_metadata: RunnerMetadata = field(default_factory=dict)
+    # The decoder's encode method (Decoder.encoding) as a program of its own, its state named
+    # as the program names it; None where the model has none.
+    encode: ExportedProgram | None = None
 
 
 def run(bundle: ModelBundle, settings: ExportConfig, out_dir: Path) -> Exported:
@@ -102,10 +120,34 @@ def run(bundle: ModelBundle, settings: ExportConfig, out_dir: Path) -> Exported:
             # assert pinned): as much a failure as a constraint violation.
             error = ExportFailed("torch.export narrowed declared-dynamic dims")
             raise ExportDiagnosed(diagnose(bundle, example, error, narrowed)[0])
+    encode = _export_encode(bundle)
     path = out_dir / PROGRAM_FILE
     with atomic_path(path) as temporary:
-        torch.export.save(program, temporary)
-    return Exported(program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata())
+        if encode is None:
+            torch.export.save(program, temporary)
+        else:
+            package_pt2(temporary, exported_programs={MODEL: program, ENCODE: encode})
+    return Exported(
+        program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata(), encode
+    )
+
+
+def _export_encode(bundle: ModelBundle) -> ExportedProgram | None:
+    """The decoder's encode method exported at its one input's shape."""
+    encoding = bundle.decoder.encoding if bundle.decoder else None
+    if encoding is None:
+        return None
+    log.info("[export] torch.export of %s's encode method", bundle.name)
+    try:
+        with _dynamo_capture_released():
+            program = torch.export.export(
+                encoding.module, (encoding.make_input(0),), strict=bundle.export_strict
+            )
+    except Exception as error:
+        raise ExportFailed(
+            f"torch.export of the encode method failed: {type(error).__name__}: {error}"
+        ) from error
+    return program
 
 
 @contextlib.contextmanager
@@ -141,5 +183,8 @@ def load(
     """The program that `run` saved into `folder` (or a copy of it), as `run` returned it for
     the bundle `profiles` and `runner_metadata` came from."""
     path = folder / PROGRAM_FILE
-    program = torch.export.load(path)
-    return Exported(program, path, profiles, Diagnosis.read(folder), dict(runner_metadata or {}))
+    programs = load_pt2(path).exported_programs
+    program, encode = programs[MODEL], programs.get(ENCODE)
+    return Exported(
+        program, path, profiles, Diagnosis.read(folder), dict(runner_metadata or {}), encode
+    )

@@ -38,6 +38,18 @@ RunnerMetadata = dict[str, int | bool | list[int]]
 
 
 @dataclass(frozen=True)
+class Encoding:
+    """What a decoder attends to besides its tokens (Whisper's clip of audio), encoded once per
+    session: `module` is the encode method as torch.export takes it, writing the decoder's
+    cross-attention state (buffers named as the decoder's module names them); `make_input(seed)`
+    draws one input of it (a session's clip), `input_name` its name."""
+
+    module: torch.nn.Module
+    input_name: str
+    make_input: Callable[[int], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Decoder:
     """What a causal LM exported with a static KV cache tells the stages after it: the cache's
     slots, the vocabulary, its layers, the checkpoint's BOS and EOS tokens where it has them, and
@@ -57,6 +69,9 @@ class Decoder:
     # weights (the weights audit skips them). The program cannot say: torch.export keeps the
     # cache's writes in place (index_copy_), and its signature lists no buffer mutation.
     cache_buffers: tuple[str, ...] = ()
+    # Encoded once per session before its tokens (the sessions' `encoded`), and the oracle's
+    # `uncached(tokens, encoded)` reads it too; None: a decoder of tokens alone.
+    encoding: Encoding | None = None
     # The program writes and reads its cache with ExecuTorch's LLM ops
     # (exporter/models/llm_ops.py), which a runtime registers before it loads the program.
     llm_ops: bool = False

@@ -1,11 +1,11 @@
-"""Any local Hugging Face causal-LM, encoder-only text or image-classification checkpoint, through
-transformers' own classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab]
+"""Any local Hugging Face causal-LM, encoder-only text, image-classification or Whisper checkpoint,
+through transformers' own classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab]
 (exporter/models/causal_lm.py), an encoder's token ids and attention mask [batch, seq] -> masked-LM
 logits or its last hidden state (exporter/models/hf_encoder.py), an image classifier's pixel values
-[batch, channels, height, width] -> class logits (exporter/models/hf_image.py), as the
-checkpoint's architecture says. A save_pretrained()
-directory or a GGUF file (causal LMs alone), whose weights transformers dequantizes into the
-float model. Local files only, never remote code."""
+[batch, channels, height, width] -> class logits (exporter/models/hf_image.py), Whisper's decoder
+tokens after an encode method read a clip (exporter/models/hf_speech.py), as the checkpoint's
+architecture says. A save_pretrained() directory or a GGUF file (causal LMs alone), whose weights
+transformers dequantizes into the float model. Local files only, never remote code."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForMaskedLM,
+    AutoModelForSpeechSeq2Seq,
     AutoTokenizer,
     GgufConfig,
     PretrainedConfig,
@@ -37,6 +38,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_MASKED_LM_MAPPING,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
     MODEL_MAPPING,
     MODEL_MAPPING_NAMES,
 )
@@ -49,6 +52,7 @@ from exporter.models.bundle import ModelDeclaration, torch_dtype
 from exporter.models.causal_lm import cache_slots, declare_causal_lm
 from exporter.models.hf_encoder import declare_encoder
 from exporter.models.hf_image import declare_image_classifier
+from exporter.models.hf_speech import declare_speech_recognizer
 
 # transformers' tables of the classes that say a checkpoint's task, as hf_checkpoint reads them
 # as text when the job is composed.
@@ -58,6 +62,7 @@ _TASK_TABLES = hf_checkpoint.TaskTables(
     headless=MODEL_MAPPING_NAMES,
     encoder_decoders=MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     image_classifiers=MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    speech_recognizers=MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
 )
 # The Auto class that loads each task's weights, and its mapping of config classes to models.
 _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
@@ -68,6 +73,7 @@ _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
         AutoModelForImageClassification,
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     ),
+    HfTask.speech_recognition: (AutoModelForSpeechSeq2Seq, MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING),
 }
 
 
@@ -78,6 +84,17 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
     max_positions = getattr(config, "max_position_embeddings", None)
+    if found is HfTask.speech_recognition:
+        slots = cache_slots(cfg)
+        if slots is None:
+            # Refused at compose too (exporter/config/inputs.py), for a schema built without it.
+            raise ConfigError(
+                f"model.checkpoint={checkpoint} is a speech recognizer, whose decoder runs with "
+                "a static KV cache: add model.kv_cache=static."
+            )
+        return declare_speech_recognizer(
+            model, slots, functools.partial(load_tokenizer, checkpoint)
+        )
     if found is not HfTask.causal_lm:
         # Refused at compose too (exporter/config/inputs.py), but not for a schema built
         # without it, which would otherwise export an encoder that ignores the setting.

@@ -1,17 +1,34 @@
-"""Whisper as one module with two methods over shared state (spike/PLAN.md, issue 43): `encode`
-fills each decoder layer's cross-attention keys and values from the encoder, `forward` runs
-decoder tokens at cache positions with a static self-attention cache, as StaticCacheLM does for
-causal LMs. Both keep their state in buffers, so programs exported from one instance read and
-write the same tensors (ExecuTorch shares them across methods with share_mutable_buffers;
-AOTInductor's models packaged from them share them by construction)."""
+"""Whisper as one module with two methods over shared state: `encode` fills each decoder layer's
+cross-attention keys and values from the encoder's reading of a clip's log-mel features,
+`forward` runs decoder tokens at cache positions with a static self-attention cache, as
+StaticCacheLM does for causal LMs. Both keep their state in buffers, so the two programs
+exported from one instance name it alike, and a runtime that ties them (AOTInductor's package
+of both, the eager loader) has the decoder read what encode wrote. The oracle is transformers'
+own model in float64 (WhisperLogits), which shares no code with the cache.
+
+The sessions' clips are tones drawn from a seed, turned into features as a target turns a WAV
+file into them (runtimes/audio.py): features of audio's own range and structure, not noise.
+"""
 
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import WhisperForConditionalGeneration
+
+from exporter.errors import ConfigError
+from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
+from exporter.models.causal_lm import eos_ids
+from runtimes import audio
+
+# A session's clip: this many seconds of tones, the rest of Whisper's 30 s window silence.
+_CLIP_SECONDS = 3
 
 
 class WhisperCacheLM(torch.nn.Module):
@@ -93,3 +110,78 @@ class WhisperCacheLM(torch.nn.Module):
 
 class _EncodeView(WhisperCacheLM):
     forward = WhisperCacheLM.encode
+
+
+class WhisperLogits(torch.nn.Module):
+    """transformers' Whisper without a cache: decoder token ids [1, n] and a clip's features ->
+    the logits of every position."""
+
+    def __init__(self, model: WhisperForConditionalGeneration) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, input_features: torch.Tensor) -> torch.Tensor:
+        return self.model(input_features=input_features, decoder_input_ids=input_ids).logits
+
+
+def tones(seed: int) -> np.ndarray:
+    """A clip of 16 kHz samples: a few tones of seeded pitch and length in a row."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    left = _CLIP_SECONDS * audio.SAMPLE_RATE
+    while left > 0:
+        length = min(left, int(rng.uniform(0.2, 0.8) * audio.SAMPLE_RATE))
+        time = np.arange(length) / audio.SAMPLE_RATE
+        pitch = rng.uniform(150.0, 2000.0)
+        samples.append(0.3 * np.sin(2 * math.pi * pitch * time))
+        left -= length
+    return np.concatenate(samples).astype(np.float32)
+
+
+def declare_speech_recognizer(
+    model: WhisperForConditionalGeneration,
+    max_cache_len: int,
+    tokenizer: Callable[[], Any] | None = None,
+) -> ModelDeclaration:
+    """Whisper behind WhisperCacheLM with `max_cache_len` slots: its decoder's token ids and
+    cache positions are the program's inputs, its encode method a second program (Encoding)."""
+    config = model.config
+    if max_cache_len > config.max_target_positions:
+        raise ConfigError(
+            f"model.max_cache_len is {max_cache_len}, beyond the decoder's "
+            f"{config.max_target_positions} positions; allowed: 2..{config.max_target_positions}."
+        )
+    module = WhisperCacheLM(model, max_cache_len).eval()
+    dtype = model.dtype
+
+    def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, config.vocab_size, (1, sizes["seq"]), generator=generator)
+        return tokens, torch.arange(sizes["seq"])
+
+    def make_clip(seed: int) -> torch.Tensor:
+        features = audio.log_mel(tones(seed), config.num_mel_bins)
+        return torch.from_numpy(features).unsqueeze(0).to(dtype)
+
+    return ModelDeclaration(
+        module=module,
+        input_names=("input_ids", "cache_position"),
+        output_names=("logits",),
+        dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
+        dim_limits={"seq": max_cache_len},
+        make_inputs=make_prefill,
+        logits_outputs=("logits",),
+        decoder=Decoder(
+            max_cache_len=max_cache_len,
+            vocab_size=config.vocab_size,
+            layers=config.decoder_layers,
+            uncached=WhisperLogits(model).eval(),
+            bos_id=config.decoder_start_token_id,
+            eos_ids=eos_ids(model),
+            cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
+            tokenizer=tokenizer,
+            encoding=Encoding(module.encoder_view(), "input_features", make_clip),
+        ),
+        # The caches' in-place writes become mutable buffers only in strict export.
+        export_strict=True,
+    )

@@ -42,7 +42,8 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
     """The sessions, in the order they run: prefills of seq's min (the longest decode), an odd
     length in the middle and its max, each then decoding one token at a time to the last cache
     slot. Each judges its first decode step, the last slot and `sampled` positions between,
-    spread evenly with one seeded draw among them."""
+    spread evenly with one seeded draw among them. A decoder that attends to an encoded input
+    (Whisper's clip) has one drawn per session (`encoded`), encoded as the session starts."""
     rng = random.Random(seed)
     slots = decoder.max_cache_len
     middle = (seq.min + seq.max) // 2
@@ -61,7 +62,12 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
             count = min(sampled, len(decode))
             chosen |= {decode[(i * (len(decode) - 1)) // max(count, 1)] for i in range(count)}
             chosen.add(rng.choice(decode))
-        planned.append({"tokens": tokens, "prefill": prefill, "judged": sorted(chosen)})
+        session = {"tokens": tokens, "prefill": prefill, "judged": sorted(chosen)}
+        if decoder.encoding is not None:
+            session["encoded"] = decoder.encoding.make_input(
+                zlib.crc32(f"{seed}:clip{index}".encode())
+            )
+        planned.append(session)
     return planned
 
 
@@ -84,7 +90,9 @@ def compute(
         tokenizer = _tokenizer(decoder)
         (seq,) = bundle.dims
         prompt = _chat_prompt(tokenizer, prompt_text, seq.max, slots)
-    oracle = [_oracle(decoder, session["tokens"]) for session in planned]
+    oracle = [
+        _oracle(decoder, session["tokens"], encoded=session.get("encoded")) for session in planned
+    ]
     cases = {}
     for index, session in enumerate(planned):
         for shape in sessions.judged(index, session):
@@ -103,8 +111,10 @@ def compute(
         greedy = {
             "prompt": prompt,
             "eager": eager_tokens,
-            "oracle": _oracle_greedy(decoder, prompt, len(eager_tokens)),
+            "oracle": _oracle_greedy(decoder, prompt, len(eager_tokens), planned[0].get("encoded")),
         }
+        if "encoded" in planned[0]:
+            greedy["encoded"] = planned[0]["encoded"]
         if tokenizer is not None:
             # The tokenizer as its JSON: the goldens hold plain data, and validation decodes
             # the artifact's tokens with it after the model is gone.
@@ -183,12 +193,19 @@ def _quality(
     }
 
 
-def _oracle(decoder: Decoder, tokens: torch.Tensor, ties_flipped: bool = False) -> torch.Tensor:
-    """The logits of every position of `tokens` in float64, from the model without a cache;
-    `ties_flipped`: its quantized activations' near ties rounded the other way."""
+def _oracle(
+    decoder: Decoder,
+    tokens: torch.Tensor,
+    ties_flipped: bool = False,
+    encoded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits of every position of `tokens` in float64, from the model without a cache
+    (after `encoded`, the session's clip, where the decoder attends to one); `ties_flipped`:
+    its quantized activations' near ties rounded the other way."""
+    extra = () if encoded is None else (encoded.to(torch.float64),)
     try:
         with torch.no_grad(), float64_weights(decoder.uncached, ties_flipped):
-            return decoder.uncached(tokens.unsqueeze(0)).to(torch.float64)
+            return decoder.uncached(tokens.unsqueeze(0), *extra).to(torch.float64)
     except Exception as error:
         raise GoldensFailed(
             f"the float64 oracle (the model without its cache, in float64) could not run: "
@@ -196,12 +213,14 @@ def _oracle(decoder: Decoder, tokens: torch.Tensor, ties_flipped: bool = False) 
         ) from error
 
 
-def _oracle_greedy(decoder: Decoder, prompt: torch.Tensor, count: int) -> list[int]:
+def _oracle_greedy(
+    decoder: Decoder, prompt: torch.Tensor, count: int, encoded: torch.Tensor | None = None
+) -> list[int]:
     """Greedy tokens from the float64 oracle, each from the whole prefix recomputed."""
     tokens = prompt.tolist()
     generated = []
     for _ in range(count):
-        logits = _oracle(decoder, torch.tensor(tokens))
+        logits = _oracle(decoder, torch.tensor(tokens), encoded=encoded)
         generated.append(int(logits[0, -1].argmax()))
         tokens.append(generated[-1])
     return generated
@@ -267,7 +286,13 @@ def _reference(
                 with torch.no_grad():
                     return on_device(tokens.to(device), positions).cpu()
 
+            def begin(session: dict) -> None:
+                if "encoded" in session:
+                    with torch.no_grad():
+                        on_device.encode(session["encoded"].to(device))
+
             for index, session in enumerate(planned):
+                begin(session)
                 for shape in sessions.steps(index, session):
                     tokens, _ = sessions.step_inputs(session, shape)
                     logits = call(tokens, shape["pos"])
@@ -278,6 +303,7 @@ def _reference(
                         if measuring is not None:
                             measuring.add(label(shape), [logits])
             count = min(greedy_tokens, slots - prompt.shape[0])
+            begin(planned[0])
             eager_tokens = sessions.greedy(call, prompt, count) if count else []
     except Exception as error:
         raise GoldensFailed(

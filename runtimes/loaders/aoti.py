@@ -29,6 +29,9 @@ _DEVICE_KEY = "AOTI_DEVICE_KEY"
 MODEL = "model"
 DECODE_STEP = "decode_step"
 CALL_SHAPES = "call_shapes"
+# A decoder's encode method (Whisper's), where the package has one: it writes the state (the
+# cross-attention cache) that the model then reads, the same tensors.
+ENCODE = "encode"
 
 
 def load(path: Path, device: str) -> AotiPackage:
@@ -45,7 +48,7 @@ class AotiPackage(OnDevice):
         if compiled_for != on.type:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
         call = calls(models)
-        super().__init__(CudaGraphs(call) if graphed else call, on)
+        super().__init__(CudaGraphs(call) if graphed else call, on, models.get(ENCODE))
 
 
 def calls(models: dict[str, Callable[..., object]]) -> Callable[..., object]:

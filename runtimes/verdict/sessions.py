@@ -5,8 +5,10 @@ sampled steps; then a greedy generation beside eager's and the oracle's.
 A session as the goldens keep it (plain containers, so that torch.load(weights_only=True) reads
 them) is a dict: `tokens`, the session's token ids [max_cache_len]; `prefill`, how many of them
 the first call takes; `judged`, the positions of the decode steps compared with the goldens
-(the prefill always is). A session after the first starts where a full cache was left: an entry
-of the session before must not leak into it.
+(the prefill always is); `encoded`, where the model's decoder attends to an encoded input
+(Whisper's clip of audio), that input, which the artifact's encode method reads as the session
+starts. A session after the first starts where a full cache was left: an entry of the session
+before must not leak into it.
 
 The positions an artifact is given are its cache's write slots, which it trusts: a call whose
 positions do not follow on from the call before, or run past the cache's last slot, would read
@@ -42,8 +44,11 @@ class Cache:
         self.slots = slots
         self.filled = 0
 
-    def call(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
-        """The artifact's outputs for `tokens` [1, n] at positions start..start+n-1."""
+    def call(
+        self, tokens: torch.Tensor, start: int, encoded: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The artifact's outputs for `tokens` [1, n] at positions start..start+n-1; a session
+        that starts (at 0) with `encoded` has the artifact's encode method read it first."""
         count = tokens.shape[-1]
         if start not in (0, self.filled):
             raise CacheRefused(
@@ -57,6 +62,12 @@ class Cache:
                 f"({self.slots - 1}; model.max_cache_len={self.slots}): start a new session at "
                 "position 0."
             )
+        if encoded is not None:
+            if start != 0:
+                raise CacheRefused(
+                    f"an encoded input starts a session, at position 0, not at {start}."
+                )
+            self.loaded.encode((encoded,))
         outputs = self.loaded.run((tokens, torch.arange(start, start + count)))
         self.filled = start + count
         return outputs
@@ -155,8 +166,9 @@ def run(
         for shape in steps(session, plan):
             tokens, _ = step_inputs(plan, shape)
             start = time.perf_counter()
+            encoded = plan.get("encoded") if shape["pos"] == 0 else None
             try:
-                outputs = cache.call(tokens, shape["pos"])
+                outputs = cache.call(tokens, shape["pos"], encoded)
             except CacheRefused:
                 raise
             except Exception as error:
@@ -174,7 +186,8 @@ def run(
         expected = goldens.greedy
 
         def call(tokens: torch.Tensor, start: int) -> torch.Tensor:
-            return cache.call(tokens, start)[0]
+            encoded = expected.get("encoded") if start == 0 else None
+            return cache.call(tokens, start, encoded)[0]
 
         generation = Generation(
             [int(t) for t in expected["prompt"]],
