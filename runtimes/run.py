@@ -16,12 +16,18 @@ files (runtimes/classification.py): each file read and preprocessed by the bundl
 processor, the images run in batches of at most the artifact's largest batch, and each image's
 most likely labels printed with their probabilities; then one line of figures.
 
+`transcribe`: a speech recognizer (Whisper) transcribes a 16 kHz WAV file (its first 30 s): the
+samples turned into the encoder's log-mel features (runtimes/audio.py), the artifact's encode
+method run on them, then greedy decoding from the model's prompt (the manifest's runner
+metadata) to its end of text or `--max-new-tokens`; the text, decoded by the bundle's tokenizer
+(the tokens' ids where it has none), then one line of figures.
+
 What native libraries print (ExecuTorch's C++ log lines) goes to native.log in the bundle, where
 it can be written. It imports nothing of the exporter.
 
-Exit codes: 0 generated or classified, 2 bad input (a bundle missing, incomplete or of another
-model than the task runs, an argument or image it cannot take: the line names it), 5 the artifact
-cannot be loaded or run, 130 stopped by Ctrl-C.
+Exit codes: 0 generated, classified or transcribed, 2 bad input (a bundle missing, incomplete or
+of another model than the task runs, an argument, image or audio file it cannot take: the line
+names it), 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ import math
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtimes import Loaded, classification, load, native_log, tokenizer
+from runtimes import Loaded, audio, classification, load, native_log, tokenizer
 from runtimes.formats.bundle import Bundle, BundleInvalid, read
 from runtimes.generation import Sampling, generate
 from runtimes.verdict.errors import ArtifactFailed
@@ -163,6 +170,60 @@ def _classify(args: argparse.Namespace) -> int:
     total_ms = sum(result.batch_ms for result in results)
     calls = f"{len(results)} call{'s' if len(results) > 1 else ''}"
     print(f"[classify] {len(ranked)} images in {calls}, {total_ms:.1f} ms")
+    return DONE
+
+
+def _transcribe(args: argparse.Namespace) -> int:
+    bundle = _bundle(Path(args.bundle))
+    metadata = bundle.runner_metadata
+    shape = metadata.get("get_encoder_input_shape")
+    if shape is None:
+        raise BadInput(
+            f"{bundle.folder}: a bundle of {_model(bundle)} without an encode method; "
+            "transcribe runs a speech recognizer (Whisper) exported with model=hf"
+        )
+    try:
+        samples = audio.read_wav(Path(args.audio))
+    except (audio.AudioRefused, OSError) as error:
+        raise BadInput(str(error)) from error
+    import torch
+
+    features = torch.from_numpy(audio.log_mel(samples, shape[1])).unsqueeze(0)
+    prompt = list(metadata["get_decoder_prompt_ids"])
+    slots = metadata["get_max_context_len"]
+    count = _new_tokens(args.max_new_tokens, len(prompt), slots)
+    device = args.device or bundle.device
+    seconds = min(len(samples) / audio.SAMPLE_RATE, audio.CHUNK_SECONDS)
+    print(
+        f"[transcribe] {bundle.artifact} on {bundle.runtime} ({device}): {seconds:.1f} s of "
+        f"{args.audio}, up to {count} tokens",
+        flush=True,
+    )
+    try:
+        with _loaded(bundle, device) as loaded:
+            started = time.perf_counter()
+            try:
+                loaded.encode((features,))
+            except Exception as error:
+                raise ArtifactFailed(
+                    f"the encode method failed: {type(error).__name__}: {error}"
+                ) from error
+            encode_ms = (time.perf_counter() - started) * 1e3
+            eos_ids = set(metadata.get("get_eos_ids", ()))
+            generated = generate(Cache(loaded, slots), prompt, count, eos_ids, Sampling())
+    except _LoadFailed as error:
+        print(f"[transcribe] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    except ArtifactFailed as error:
+        print(f"[transcribe] {error}", file=sys.stderr)
+        return RUNTIME_FAILED
+    text = [t for t in generated.tokens if t not in eos_ids]
+    if bundle.tokenizer is not None:
+        read_tokenizer = tokenizer.read(bundle.folder / bundle.tokenizer)
+        print(read_tokenizer.decode(text, skip_special_tokens=True).strip())
+    else:
+        print(",".join(map(str, text)))
+    print(f"[transcribe] encode {encode_ms:.1f} ms, {generated.figures(Sampling())}")
     return DONE
 
 
@@ -386,6 +447,22 @@ def _parser() -> argparse.ArgumentParser:
     classify_parser.add_argument("images", nargs="+", help="image files Pillow reads")
     classify_parser.add_argument(
         "--top", type=int, default=5, help="the most likely labels printed per image (default 5)"
+    )
+    transcribe_parser = tasks.add_parser(
+        "transcribe",
+        parents=[on_device],
+        help="transcribe a 16 kHz WAV file with a speech recognizer (Whisper)",
+        description="Transcribe the first 30 s of a 16 kHz WAV file with a speech recognizer "
+        "exported with model=hf (Whisper): its text, greedy, then the encode's time and the "
+        "decoding's figures.",
+    )
+    transcribe_parser.set_defaults(task=_transcribe, task_name="transcribe")
+    transcribe_parser.add_argument("audio", help="a 16 kHz PCM WAV file")
+    transcribe_parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"at most this many tokens (default {DEFAULT_NEW_TOKENS}, or fewer where the cache "
+        "has less room after the prompt)",
     )
     return parser
 

@@ -5,18 +5,23 @@ through eager and AOTInductor, where an encode method that writes another cache 
 
 from __future__ import annotations
 
+import wave
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from executorch.runtime import Runtime
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.export.pt2_archive._package import load_pt2
-from transformers import WhisperConfig, WhisperForConditionalGeneration
+from transformers import PreTrainedTokenizerFast, WhisperConfig, WhisperForConditionalGeneration
 
 from exporter.backends import aoti
 from exporter.config import to_job
 from exporter.errors import ConfigError
-from exporter.models.hf_speech import WhisperCacheLM
+from exporter.models.hf_speech import WhisperCacheLM, tones
+from runtimes import audio, run
 from tests.conftest import composed, job_in_process
 
 SMALL = WhisperConfig(
@@ -79,7 +84,24 @@ def whisper_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("whisper")
     torch.manual_seed(0)
     WhisperForConditionalGeneration(SMALL).save_pretrained(directory)
+    # A word per id, so that a transcript reads as the ids the decoder chose.
+    vocab = {f"w{index}": index for index in range(SMALL.vocab_size)}
+    vocab["<|endoftext|>"] = 0
+    del vocab["w0"]
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        eos_token="<|endoftext|>",
+    ).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def eager_job(whisper_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    run_dir = tmp_path_factory.mktemp("whisper-eager")
+    return run_dir, *job_in_process(run_dir, *_job(whisper_checkpoint, "backend=eager"))
 
 
 def _job(checkpoint: Path, *overrides: str) -> tuple[str, ...]:
@@ -107,20 +129,51 @@ def _assert_every_step_passed(report: dict) -> None:
     assert all(e["passed"] for e in report["executions"])
     assert max(o["ratio"] for e in report["executions"] for o in e["outputs"]) < 4
     greedy = report["greedy"]
-    assert greedy["artifact"] == greedy["eager"] == greedy["oracle"] and len(greedy["oracle"]) == 8
+    # A transcription of the first clip from the start of transcript, to the last slot.
+    assert greedy["artifact"] == greedy["eager"] == greedy["oracle"]
+    assert greedy["prompt"] == [1] and len(greedy["oracle"]) == 15
 
 
 def test_a_whisper_checkpoint_is_judged_at_every_decode_step_after_its_clip(
-    whisper_checkpoint: Path, tmp_path: Path
+    eager_job: tuple,
 ) -> None:
-    record, report = job_in_process(tmp_path, *_job(whisper_checkpoint, "backend=eager"))
+    run_dir, record, report = eager_job
     assert record.error is None
     _assert_every_step_passed(report)
-    goldens = torch.load(tmp_path / "bundle" / "goldens.pt", weights_only=True)
+    goldens = torch.load(run_dir / "bundle" / "goldens.pt", weights_only=True)
     clips = [session["encoded"] for session in goldens["sessions"]]
     # Each session's clip is its own: features of tones, not one input reused.
     assert [tuple(c.shape) for c in clips] == [(1, 80, 3000)] * 3
     assert not torch.equal(clips[0], clips[1]) and not torch.equal(clips[1], clips[2])
+
+
+def test_transcribe_prints_the_text_of_eagers_greedy_tokens_for_a_wav_file(
+    eager_job: tuple, whisper_checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    clip = tmp_path / "clip.wav"
+    with wave.open(str(clip), "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(audio.SAMPLE_RATE)
+        file.writeframes((tones(11) * 32767).astype(np.int16).tobytes())
+    assert run.main([str(eager_job[0] / "bundle"), "transcribe", str(clip)]) == 0
+    printed = capfd.readouterr().out.splitlines()
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint).eval()
+    whisper = WhisperCacheLM(model, slots=16).eval()
+    features = torch.from_numpy(audio.log_mel(audio.read_wav(clip))).unsqueeze(0)
+    tokens, position = [1], 0
+    with torch.no_grad():
+        whisper.encode(features)
+        while len(tokens) < 16:
+            logits = whisper(torch.tensor([tokens[position:]]), torch.arange(position, len(tokens)))
+            position = len(tokens)
+            tokens.append(int(logits[0, -1].argmax()))
+            if tokens[-1] == 0:
+                break
+    expected = " ".join(f"w{token}" for token in tokens[1:] if token != 0)
+    assert expected and printed[1] == expected
+    assert printed[2].startswith("[transcribe] encode ")
+    assert run.main([str(eager_job[0] / "bundle"), "transcribe", str(whisper_checkpoint)]) == 2
 
 
 @pytest.mark.slow
@@ -131,6 +184,17 @@ def test_whisper_through_aoti_shares_the_cross_attention_cache_and_passes(aoti_j
     with zipfile.ZipFile(run_dir / "model.pt2") as archive:
         names = archive.namelist()
     assert any("/encode/" in name for name in names) and any("/model/" in name for name in names)
+
+
+@pytest.mark.slow
+def test_whisper_through_executorch_shares_the_cross_attention_cache_and_passes(
+    whisper_checkpoint: Path, tmp_path: Path
+) -> None:
+    record, report = job_in_process(tmp_path, *_job(whisper_checkpoint, "backend=executorch"))
+    assert record.error is None
+    _assert_every_step_passed(report)
+    program = Runtime.get().load_program(tmp_path / "model.pte")
+    assert program.method_names >= {"forward", "encode"}
 
 
 @pytest.mark.slow
@@ -156,7 +220,7 @@ def test_a_whisper_checkpoint_needs_a_static_cache_and_a_backend_with_two_method
 ) -> None:
     with pytest.raises(ConfigError, match=r"add model\.kv_cache=static"):
         to_job(composed("model=hf", f"model.checkpoint={whisper_checkpoint}"))
-    with pytest.raises(ConfigError, match=r"backend=executorch: .* a speech recognizer"):
-        to_job(composed(*_job(whisper_checkpoint, "backend=executorch")))
+    with pytest.raises(ConfigError, match=r"backend=webgpu: .* a speech recognizer"):
+        to_job(composed(*_job(whisper_checkpoint, "backend=webgpu")))
     with pytest.raises(ConfigError, match=r"quantize=int4_weight: .* float only"):
         to_job(composed(*_job(whisper_checkpoint, "backend=aoti", "quantize=int4_weight")))

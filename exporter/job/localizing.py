@@ -49,6 +49,11 @@ def localized(
     failed (on a passing job, at its worst), replayed as validation ran it; `record` says
     where the job writes and how its artifact was lowered. What stops the search is its
     result's reason: the job's verdict is validation's either way."""
+    if any("encoded" in session for session in expected.goldens.sessions):
+        return localize.NotLocalized(
+            "not searched: the model's sessions start with its encode method, which the search's "
+            "cut programs do not carry (a cut of the decoder alone would attend to no clip)"
+        )
     # The budget counts from here: loading (or exporting) the program is part of the search.
     started = time.perf_counter()
     why_now, lowering_seconds = _lowered_now(job, record.cache, record.seconds.get("lower"))

@@ -42,11 +42,15 @@ class Encoding:
     """What a decoder attends to besides its tokens (Whisper's clip of audio), encoded once per
     session: `module` is the encode method as torch.export takes it, writing the decoder's
     cross-attention state (buffers named as the decoder's module names them); `make_input(seed)`
-    draws one input of it (a session's clip), `input_name` its name."""
+    draws one input of it (a session's clip) of `input_shape`, `input_name` its name; `prompt`
+    is what the decoder starts from once it is encoded (Whisper's start of transcript, then its
+    language and task where it is multilingual, and no timestamps)."""
 
     module: torch.nn.Module
     input_name: str
+    input_shape: tuple[int, ...]
     make_input: Callable[[int], torch.Tensor]
+    prompt: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ class Decoder:
         ExecuTorch's runners (extension/llm/runner/constants.h): the longest call (`seq`'s
         max), the cache's slots, the vocabulary, the layers, a KV cache, whether ExecuTorch's
         SDPA-with-cache op reads it (`llm_ops`), whether the call's length is dynamic, and
-        BOS/EOS where the checkpoint has them."""
+        BOS/EOS where the checkpoint has them; a decoder of an encoded input adds that input's
+        shape and the decoder's prompt (Encoding), which a target's transcription reads."""
         metadata: RunnerMetadata = {
             "get_max_seq_len": seq.max,
             "get_max_context_len": self.max_cache_len,
@@ -95,6 +100,9 @@ class Decoder:
             metadata["get_bos_id"] = self.bos_id
         if self.eos_ids:
             metadata["get_eos_ids"] = list(self.eos_ids)
+        if self.encoding is not None:
+            metadata["get_encoder_input_shape"] = list(self.encoding.input_shape)
+            metadata["get_decoder_prompt_ids"] = list(self.encoding.prompt)
         return metadata
 
 

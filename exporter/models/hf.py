@@ -93,7 +93,7 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
                 "a static KV cache: add model.kv_cache=static."
             )
         return declare_speech_recognizer(
-            model, slots, functools.partial(load_tokenizer, checkpoint)
+            model, checkpoint, slots, functools.partial(load_tokenizer, checkpoint)
         )
     if found is not HfTask.causal_lm:
         # Refused at compose too (exporter/config/inputs.py), but not for a schema built

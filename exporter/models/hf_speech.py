@@ -13,8 +13,10 @@ file into them (runtimes/audio.py): features of audio's own range and structure,
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,8 @@ from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
 from exporter.models.causal_lm import eos_ids
 from runtimes import audio
 
+# What save_pretrained() writes of a model's generation config.
+GENERATION_CONFIG = "generation_config.json"
 # A session's clip: this many seconds of tones, the rest of Whisper's 30 s window silence.
 _CLIP_SECONDS = 3
 
@@ -138,8 +142,30 @@ def tones(seed: int) -> np.ndarray:
     return np.concatenate(samples).astype(np.float32)
 
 
+def prompt_of(model: WhisperForConditionalGeneration, checkpoint: Path) -> tuple[int, ...]:
+    """The tokens a transcription starts from: the start of transcript, then English and
+    transcribe where the model is multilingual, then no timestamps, as the checkpoint's
+    generation_config.json gives their ids (transformers 5 keeps none of Whisper's keys when it
+    reads the file, so it is read here as the JSON it is)."""
+    file = checkpoint / GENERATION_CONFIG
+    generation = json.loads(file.read_text()) if file.is_file() else {}
+    prompt = [model.config.decoder_start_token_id]
+    try:
+        if generation.get("is_multilingual"):
+            prompt += [generation["lang_to_id"]["<|en|>"], generation["task_to_id"]["transcribe"]]
+        if "no_timestamps_token_id" in generation:
+            prompt.append(int(generation["no_timestamps_token_id"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(
+            f"{file}: a multilingual Whisper's lang_to_id and task_to_id must name <|en|> and "
+            f"transcribe, and no_timestamps_token_id must be an id ({error!r})"
+        ) from error
+    return tuple(prompt)
+
+
 def declare_speech_recognizer(
     model: WhisperForConditionalGeneration,
+    checkpoint: Path,
     max_cache_len: int,
     tokenizer: Callable[[], Any] | None = None,
 ) -> ModelDeclaration:
@@ -163,6 +189,8 @@ def declare_speech_recognizer(
         features = audio.log_mel(tones(seed), config.num_mel_bins)
         return torch.from_numpy(features).unsqueeze(0).to(dtype)
 
+    clip_shape = (1, config.num_mel_bins, audio.FRAMES)
+
     return ModelDeclaration(
         module=module,
         input_names=("input_ids", "cache_position"),
@@ -180,7 +208,13 @@ def declare_speech_recognizer(
             eos_ids=eos_ids(model),
             cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
-            encoding=Encoding(module.encoder_view(), "input_features", make_clip),
+            encoding=Encoding(
+                module.encoder_view(),
+                "input_features",
+                clip_shape,
+                make_clip,
+                prompt_of(model, checkpoint),
+            ),
         ),
         # The caches' in-place writes become mutable buffers only in strict export.
         export_strict=True,

@@ -84,7 +84,10 @@ def compute(
     assert decoder is not None
     slots = decoder.max_cache_len
     tokenizer = None
-    if prompt_text is None:
+    if decoder.encoding is not None:
+        # A transcription of the first session's clip.
+        prompt = torch.tensor(decoder.encoding.prompt, dtype=torch.long)
+    elif prompt_text is None:
         prompt = planned[0]["tokens"][: min(_PROMPT_TOKENS, slots - 1)]
     else:
         tokenizer = _tokenizer(decoder)

@@ -40,8 +40,14 @@ def load(path: Path, device: str) -> ExecutorchProgram:
     return ExecutorchProgram(path)
 
 
+# The .pte's methods: the model's, and a decoder's encode method (Whisper's) where it has one,
+# which writes the mutable buffers (its cross-attention cache) that `forward` reads.
+FORWARD = "forward"
+ENCODE = "encode"
+
+
 class ExecutorchProgram:
-    def __init__(self, path: Path, method: str = "forward") -> None:
+    def __init__(self, path: Path, method: str = FORWARD) -> None:
         data_path = path.with_suffix(DATA_SUFFIX)
         if not data_path.exists():
             outside = data_outside(path)
@@ -58,6 +64,7 @@ class ExecutorchProgram:
             path, verification=Verification.Minimal, data_path=data_path
         )
         self._method = program.load_method(method)
+        self._encode = program.load_method(ENCODE) if ENCODE in program.method_names else None
         # The program owns the method's memory; it must live as long as the method.
         self._program = program
         # What it runs on: a float16 program's verdict depends on how this CPU sums float16.
@@ -80,6 +87,11 @@ class ExecutorchProgram:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self.download(self.execute(self.upload(inputs)))
+
+    def encode(self, inputs: Sequence[torch.Tensor]) -> None:
+        if self._encode is None:
+            raise ValueError("the artifact has no encode method")
+        self._encode.execute(list(inputs))
 
 
 # ExecuTorch's ScalarType code for float16, as its method metadata gives a tensor's dtype.

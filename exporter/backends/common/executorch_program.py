@@ -26,6 +26,7 @@ from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.backend.utils import WhyNoPartition, is_same_node
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
+from executorch.exir.passes import MemoryPlanningPass
 from executorch.exir.passes.external_constants_pass import is_param_node
 from torch.export import ExportedProgram
 
@@ -41,6 +42,7 @@ from exporter.backends.common.policy import Policy, is_compute, op_name
 from exporter.export import Exported
 from exporter.files import atomic_path
 from exporter.process import progress
+from runtimes.loaders.executorch import ENCODE, FORWARD
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +85,16 @@ def _lowered_to_pte(
         tag = Path(data_file).stem if data_file else None
         # The partitioner says when it partitions and what it then delegates (`delegating`).
         progress.doing("converting to ExecuTorch's edge dialect")
+        # A decoder's encode method is a method of the .pte beside `forward`, whose mutable
+        # buffers (the cross-attention cache it writes) the memory plan shares by name.
+        programs = (
+            exported.program
+            if exported.encode is None
+            else {FORWARD: exported.program, ENCODE: exported.encode}
+        )
         with partitioner.listening():
             edge = to_edge_transform_and_lower(
-                exported.program,
+                programs,
                 transform_passes=[*edge_passes, *([TagDelegateConstants(tag)] if tag else [])],
                 partitioner=[partitioner],
                 # Methods of the .pte that return the constants an LLM runner reads.
@@ -96,14 +105,19 @@ def _lowered_to_pte(
         forget_lowered_graphs()
         gc.collect()
         partition = dataclasses.replace(
-            summarize(edge.exported_program().graph_module, why_on_cpu),
+            summarize(edge.exported_program(FORWARD).graph_module, why_on_cpu),
             wrong_kernels_avoided=tuple(wrong_kernels_avoided),
         )
         log.info("[lower] %s", partition.describe())
         progress.doing("emitting the ExecuTorch program")
         # The constants no delegate took are tagged here, as they are emitted.
         program = edge.to_executorch(
-            ExecutorchBackendConfig(external_constants=(lambda _node: tag) if tag else False)
+            ExecutorchBackendConfig(
+                external_constants=(lambda _node: tag) if tag else False,
+                memory_planning_pass=MemoryPlanningPass(
+                    share_mutable_buffers=exported.encode is not None
+                ),
+            )
         )
         path = out_dir / target.file
         progress.doing(f"writing {target.file}")

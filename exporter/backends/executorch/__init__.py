@@ -40,6 +40,7 @@ class ExecutorchConfig(BackendConfig):
     runtime_guards_refusal: ClassVar[str] = (
         "ExecuTorch's edge dialect refuses the arithmetic that computes them"
     )
+    encode_method_refusal: ClassVar[str] = ""
     quant_refusal: ClassVar[str] = (
         "XNNPACK takes torchao's weight-only int8 and int4 linear layers without an error and "
         "computes garbage (one nn.Linear(64, 96): off by 2.1e3 and 1.3e2 where its outputs are "
@@ -110,11 +111,12 @@ class Executorch(Backend):
 
         partitioner = PolicyPartitioner(announced_policy("XNNPACK", fallback, exported))
         program = for_xnnpack(exported.program)
+        encode = None if exported.encode is None else for_xnnpack(exported.encode)
         avoided = ()
         if fallback.wrong_kernels is WrongKernels.avoid:
             program, avoided = without_wrong_kernels(program)
         return lowered_to_pte(
-            replace(exported, program=program),
+            replace(exported, program=program, encode=encode),
             partitioner,
             partitioner.why_on_cpu,
             self.output(config),
