@@ -25,20 +25,18 @@ from exporter.export import shapes
 from exporter.export.diagnosis import Diagnosis, diagnose
 from exporter.files import atomic_path
 from exporter.models import ModelBundle, RunnerMetadata
-
-# The names of the programs in PROGRAM_FILE: the model's, which torch.export.load reads, and its
-# decoder's encode method (Decoder.encoding) where it has one.
 from runtimes.loaders.eager import ENCODE, MODEL
 
 log = logging.getLogger(__name__)
 
+# The model's program, with its decoder's encode method beside it where it has one (ENCODE;
+# torch.export.load reads the model's, MODEL).
 PROGRAM_FILE = "program.pt2"
 # Where strict export has Dynamo install what it captured (_dynamo_capture_released).
 _CAPTURING_MODULE = "torch._dynamo.functional_export"
 
 __all__ = [
     "ENCODE",
-    "MODEL",
     "PROGRAM_FILE",
     "Diagnosis",
     "ExportDiagnosed",

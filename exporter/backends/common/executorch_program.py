@@ -39,12 +39,15 @@ from exporter.artifact.partition import (
     WrongKernelAvoided,
 )
 from exporter.backends.common.policy import Policy, is_compute, op_name
-from exporter.export import Exported
+from exporter.export import ENCODE, Exported
 from exporter.files import atomic_path
 from exporter.process import progress
-from runtimes.loaders.executorch import ENCODE, FORWARD
 
 log = logging.getLogger(__name__)
+
+# The .pte's method that runs the model (ExecuTorch's default); a decoder's encode method is
+# named as the exported program names it (exporter.export.ENCODE), as the target loads it.
+FORWARD = "forward"
 
 
 def lowered_to_pte(
