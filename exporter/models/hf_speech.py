@@ -36,6 +36,9 @@ _CLIP_SECONDS = 3
 
 
 class WhisperCacheLM(torch.nn.Module):
+    """`encode(input_features)` and `forward(input_ids, cache_position) -> logits` over the
+    cross-attention and self-attention caches, buffers of `slots` positions for the latter."""
+
     def __init__(self, model: WhisperForConditionalGeneration, slots: int) -> None:
         super().__init__()
         config = model.config
@@ -70,8 +73,10 @@ class WhisperCacheLM(torch.nn.Module):
 
     def encode(self, input_features: torch.Tensor) -> torch.Tensor:
         """The encoder's states of one clip, its keys and values written for every layer's
-        cross-attention."""
-        states = self.model.model.encoder(input_features).last_hidden_state
+        cross-attention. The features come in float32, as a target computes them, whatever the
+        model's dtype."""
+        features = input_features.to(self.model.dtype)
+        states = self.model.model.encoder(features).last_hidden_state
         for index, layer in enumerate(self.model.model.decoder.layers):
             attention = layer.encoder_attn
             getattr(self, f"cross_keys_{index}").copy_(self._split(attention.k_proj(states)))
@@ -178,7 +183,6 @@ def declare_speech_recognizer(
             f"{config.max_target_positions} positions; allowed: 2..{config.max_target_positions}."
         )
     module = WhisperCacheLM(model, max_cache_len).eval()
-    dtype = model.dtype
 
     def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(seed)
@@ -187,7 +191,7 @@ def declare_speech_recognizer(
 
     def make_clip(seed: int) -> torch.Tensor:
         features = audio.log_mel(tones(seed), config.num_mel_bins)
-        return torch.from_numpy(features).unsqueeze(0).to(dtype)
+        return torch.from_numpy(features).unsqueeze(0)
 
     clip_shape = (1, config.num_mel_bins, audio.FRAMES)
 
