@@ -105,14 +105,21 @@ def aoti_package(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> Wei
 
 def exported_program(artifact: Artifact, weights: Mapping[str, torch.Tensor]) -> WeightsAudit:
     """A torch.export program's state dict and constants, by name (a quantized weight, which
-    the program keeps as torchao's tensor, as its parts)."""
+    the program keeps as torchao's tensor, as its parts); those of every program of the file
+    (a decoder's encode method beside the model)."""
     import torch
+    from torch.export.pt2_archive._package import load_pt2
 
     from exporter.audit.matching import Constant
     from exporter.audit.quantized import unpacked
 
-    program = torch.export.load(artifact.path)
-    held, _parts = unpacked({**program.state_dict, **program.constants})
+    held, _parts = unpacked(
+        {
+            name: tensor
+            for program in load_pt2(artifact.path).exported_programs.values()
+            for name, tensor in {**program.state_dict, **program.constants}.items()
+        }
+    )
     constants = [
         Constant(
             where=f"{artifact.path.name} {name!r}",
@@ -124,7 +131,7 @@ def exported_program(artifact: Artifact, weights: Mapping[str, torch.Tensor]) ->
         for name, t in held.items()
         if isinstance(t, torch.Tensor)
     ]
-    read = f"{len(constants)} state dict entries and constants of the exported program by name"
+    read = f"{len(constants)} state dict entries and constants of the exported programs by name"
     return _audited(
         str(artifact.runtime), read, constants, weights, lambda _name, _parameter: _NOT_HELD
     )

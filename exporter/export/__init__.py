@@ -124,6 +124,7 @@ def run(bundle: ModelBundle, settings: ExportConfig, out_dir: Path) -> Exported:
         if encode is None:
             torch.export.save(program, temporary)
         else:
+            program, encode = _used_weights_only(program), _used_weights_only(encode)
             package_pt2(temporary, exported_programs={MODEL: program, ENCODE: encode})
     return Exported(
         program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata(), encode
@@ -145,6 +146,17 @@ def _export_encode(bundle: ModelBundle) -> ExportedProgram | None:
         raise ExportFailed(
             f"torch.export of the encode method failed: {type(error).__name__}: {error}"
         ) from error
+    return program
+
+
+def _used_weights_only(program: ExportedProgram) -> ExportedProgram:
+    """`program` without the state dict entries its signature does not name, in place. Strict
+    export keeps the whole module's state dict beside a graph that reads part of it: a
+    decoder's program would hold its encoder's weights too, the encode program the decoder's,
+    and program.pt2 every weight twice."""
+    named = {spec.target for spec in program.graph_signature.input_specs}
+    for name in [name for name in program.state_dict if name not in named]:
+        del program.state_dict[name]
     return program
 
 

@@ -509,8 +509,9 @@ def _lower(
     """The program, loaded now with weights of its own, lowered to `backend` and linked into
     the run dir; with the program's weights for the audit. `job` keys the cache's entry."""
     exported = program.load()
-    # Taken before lowering, which may change the program.
-    weights = {**exported.program.state_dict, **exported.program.constants}
+    # Taken before lowering, which may change the program; a decoder's encode method's too.
+    programs = [exported.program, *([exported.encode] if exported.encode else [])]
+    weights = {name: w for p in programs for name, w in {**p.state_dict, **p.constants}.items()}
     material = cache_keys.lower(job, program.material)
     with work.built("lower", material, lambda out: backend.lower(exported, out)) as folder:
         # Checked before the run dir gets the artifact: a job that breaks the policy leaves none.
