@@ -107,11 +107,6 @@ def declare_causal_lm(
             logits_outputs=("logits",),
         )
 
-    def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
-        generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator)
-        return tokens, torch.arange(sizes["seq"])
-
     if max_positions is not None and max_cache_len > max_positions:
         raise ConfigError(
             f"model.max_cache_len is {max_cache_len}, beyond the model's {max_positions} "
@@ -128,15 +123,9 @@ def declare_causal_lm(
             f"static KV cache for {type(model).__name__} ({model.config.model_type}): "
             f"{type(error).__name__}: {error}. Export it with model.kv_cache=none."
         ) from error
-    return ModelDeclaration(
-        module=module.eval(),
-        input_names=("input_ids", "cache_position"),
-        output_names=("logits",),
-        dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
-        dim_limits={"seq": max_cache_len},
-        make_inputs=make_prefill,
-        logits_outputs=("logits",),
-        decoder=Decoder(
+    return declare_cached(
+        module,
+        Decoder(
             max_cache_len=max_cache_len,
             vocab_size=vocab_size,
             layers=model.config.get_text_config().num_hidden_layers,
@@ -147,6 +136,29 @@ def declare_causal_lm(
             cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
         ),
+    )
+
+
+def declare_cached(module: torch.nn.Module, decoder: Decoder) -> ModelDeclaration:
+    """A decoder with a static cache of `decoder.max_cache_len` slots as every stage sees it:
+    token ids and their cache positions in (a prefill from position 0 where export draws
+    them), logits out, `seq` their one dim."""
+    vocab_size = decoder.vocab_size
+
+    def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab_size, (1, sizes["seq"]), generator=generator)
+        return tokens, torch.arange(sizes["seq"])
+
+    return ModelDeclaration(
+        module=module.eval(),
+        input_names=("input_ids", "cache_position"),
+        output_names=("logits",),
+        dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
+        dim_limits={"seq": decoder.max_cache_len},
+        make_inputs=make_prefill,
+        logits_outputs=("logits",),
+        decoder=decoder,
         # The cache's in-place writes become mutable buffers only in strict export (torch
         # 2.14: non-strict export keeps them out of the program's signature, and lowering then
         # fails).

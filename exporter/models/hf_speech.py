@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from transformers import WhisperForConditionalGeneration
 
 from exporter.errors import ConfigError
 from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
-from exporter.models.causal_lm import eos_ids
+from exporter.models.causal_lm import declare_cached, eos_ids
 from runtimes import audio
 
 # What save_pretrained() writes of a model's generation config.
@@ -184,26 +184,15 @@ def declare_speech_recognizer(
         )
     module = WhisperCacheLM(model, max_cache_len).eval()
 
-    def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
-        generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, config.vocab_size, (1, sizes["seq"]), generator=generator)
-        return tokens, torch.arange(sizes["seq"])
-
     def make_clip(seed: int) -> torch.Tensor:
         features = audio.log_mel(tones(seed), config.num_mel_bins)
         return torch.from_numpy(features).unsqueeze(0)
 
     clip_shape = (1, config.num_mel_bins, audio.FRAMES)
 
-    return ModelDeclaration(
-        module=module,
-        input_names=("input_ids", "cache_position"),
-        output_names=("logits",),
-        dim_axes={"seq": (("input_ids", 1), ("cache_position", 0))},
-        dim_limits={"seq": max_cache_len},
-        make_inputs=make_prefill,
-        logits_outputs=("logits",),
-        decoder=Decoder(
+    return declare_cached(
+        module,
+        Decoder(
             max_cache_len=max_cache_len,
             vocab_size=config.vocab_size,
             layers=config.decoder_layers,
@@ -220,6 +209,4 @@ def declare_speech_recognizer(
                 prompt_of(model, checkpoint),
             ),
         ),
-        # The caches' in-place writes become mutable buffers only in strict export.
-        export_strict=True,
     )
