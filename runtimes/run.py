@@ -401,9 +401,17 @@ def _parser() -> argparse.ArgumentParser:
         help="where the artifact runs (cpu, cuda, cuda:1; a wgpu adapter choice auto, gpu or "
         "cpu for webgpu); default: the job's",
     )
+    # What every task that decodes takes.
+    decoding = argparse.ArgumentParser(add_help=False)
+    decoding.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"at most this many new tokens (default {DEFAULT_NEW_TOKENS}, or fewer where the "
+        "cache has less room after the prompt)",
+    )
     generate_parser = tasks.add_parser(
         "generate",
-        parents=[on_device],
+        parents=[on_device, decoding],
         help="continue a prompt with a causal LM exported with model.kv_cache=static",
         description="Continue a prompt with a causal LM exported with model.kv_cache=static, "
         "printing the new tokens as they come, then the prompt's and new tokens' counts, the "
@@ -417,12 +425,6 @@ def _parser() -> argparse.ArgumentParser:
         "--chat",
         action="store_true",
         help="put --prompt in the tokenizer's chat template, as a user's turn",
-    )
-    generate_parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help=f"at most this many new tokens (default {DEFAULT_NEW_TOKENS}, or fewer where the "
-        "cache has less room after the prompt)",
     )
     generate_parser.add_argument(
         "--temperature",
@@ -450,7 +452,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     transcribe_parser = tasks.add_parser(
         "transcribe",
-        parents=[on_device],
+        parents=[on_device, decoding],
         help="transcribe a 16 kHz WAV file with a speech recognizer (Whisper)",
         description="Transcribe the first 30 s of a 16 kHz WAV file with a speech recognizer "
         "exported with model=hf (Whisper): its text, greedy, then the encode's time and the "
@@ -458,12 +460,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     transcribe_parser.set_defaults(task=_transcribe, task_name="transcribe")
     transcribe_parser.add_argument("audio", help="a 16 kHz PCM WAV file")
-    transcribe_parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help=f"at most this many tokens (default {DEFAULT_NEW_TOKENS}, or fewer where the cache "
-        "has less room after the prompt)",
-    )
     return parser
 
 
