@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 from tabulate import tabulate
-from torch.library import triton_op, wrap_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -86,7 +85,6 @@ def _int4_gemv_kernel(
     tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty))
 
 
-@triton_op("bench::int4_gemv", mutates_args=())
 def int4_gemv(
     x: torch.Tensor, tiles: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
 ) -> torch.Tensor:
@@ -99,7 +97,7 @@ def int4_gemv(
     # and divides the row tile's K.
     block = math.gcd(cols, 256)
     grid = (rows // 8 // row_tiles,)
-    wrap_triton(_int4_gemv_kernel)[grid](
+    _int4_gemv_kernel[grid](
         x,
         tiles,
         scales_and_zeros,
