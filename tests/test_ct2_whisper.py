@@ -14,27 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import WhisperConfig, WhisperForConditionalGeneration
+from transformers import WhisperForConditionalGeneration
 
 from exporter.models import ct2_whisper
-
-SMALL = WhisperConfig(
-    vocab_size=96,
-    num_mel_bins=80,
-    d_model=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=2,
-    decoder_attention_heads=2,
-    encoder_ffn_dim=64,
-    decoder_ffn_dim=64,
-    max_source_positions=1500,
-    max_target_positions=32,
-    pad_token_id=0,
-    bos_token_id=0,
-    eos_token_id=0,
-    decoder_start_token_id=1,
-)
+from tests.test_hf_speech import SMALL
 
 
 def _string(text: str) -> bytes:

@@ -5,6 +5,7 @@ through eager and AOTInductor, where an encode method that writes another cache 
 
 from __future__ import annotations
 
+import json
 import wave
 import zipfile
 from pathlib import Path
@@ -20,7 +21,7 @@ from transformers import PreTrainedTokenizerFast, WhisperConfig, WhisperForCondi
 from exporter.backends import aoti
 from exporter.config import to_job
 from exporter.errors import ConfigError
-from exporter.models.hf_speech import WhisperCacheLM, tones
+from exporter.models.hf_speech import WhisperCacheLM, prompt_of, tones
 from runtimes import audio, run
 from tests.conftest import composed, job_in_process
 
@@ -145,6 +146,15 @@ def test_a_whisper_checkpoint_is_judged_at_every_decode_step_after_its_clip(
     # Each session's clip is its own: features of tones, not one input reused.
     assert [tuple(c.shape) for c in clips] == [(1, 80, 3000)] * 3
     assert not torch.equal(clips[0], clips[1]) and not torch.equal(clips[1], clips[2])
+    # program.pt2 holds each weight once: the model's program the decoder's, the encode
+    # program the encoder's (and the decoder's cross-attention keys and values).
+    programs = load_pt2(run_dir / "program.pt2").exported_programs
+    model, encode = set(programs["model"].state_dict), set(programs["encode"].state_dict)
+    assert not model & encode
+    assert all(".decoder." in name or name.startswith("model.proj_out") for name in model)
+    assert any(".encoder." in name for name in encode)
+    assert report["weights_audit"]["checked"] == len(model | encode)
+    assert not report["weights_audit"]["mismatched"] and not report["weights_audit"]["unseen"]
 
 
 def test_transcribe_prints_the_text_of_eagers_greedy_tokens_for_a_wav_file(
@@ -213,6 +223,28 @@ def test_an_encode_method_over_a_cache_of_its_own_fails_every_step(
     )
     assert record.error is not None
     assert len(report["executions"]) == 26 and not any(e["passed"] for e in report["executions"])
+    # The search for the first diverging node cuts the decoder alone: it says why it did not run.
+    assert "start with its encode method" in record.localization.reason
+
+
+def test_the_transcription_prompt_is_the_checkpoints_and_features_come_in_float32(
+    tmp_path: Path,
+) -> None:
+    model = WhisperForConditionalGeneration(SMALL).eval()
+    assert prompt_of(model, tmp_path) == (1,)
+    generation = {
+        "is_multilingual": True,
+        "lang_to_id": {"<|de|>": 4, "<|en|>": 5},
+        "task_to_id": {"transcribe": 7, "translate": 6},
+        "no_timestamps_token_id": 9,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    assert prompt_of(model, tmp_path) == (1, 5, 7, 9)
+    # A bfloat16 model's encode method takes the float32 features a target computes.
+    whisper = WhisperCacheLM(model.to(torch.bfloat16), slots=16).eval()
+    with torch.no_grad():
+        states = whisper.encode(torch.randn(1, 80, 3000))
+    assert states.dtype == torch.bfloat16 and whisper.cross_keys_0.abs().sum() > 0
 
 
 def test_a_whisper_checkpoint_needs_a_static_cache_and_a_backend_with_two_methods(
