@@ -189,6 +189,14 @@ def _transcribe(args: argparse.Namespace) -> int:
     import torch
 
     features = torch.from_numpy(audio.log_mel(samples, shape[1])).unsqueeze(0)
+    # Read before the model runs: a bundle whose tokenizer this target cannot read is refused
+    # in a line, not after the transcription.
+    read_tokenizer = None
+    if bundle.tokenizer is not None:
+        try:
+            read_tokenizer = tokenizer.read(bundle.folder / bundle.tokenizer)
+        except tokenizer.TokenizerRefused as error:
+            raise BadInput(str(error)) from error
     prompt = list(metadata["get_decoder_prompt_ids"])
     slots = metadata["get_max_context_len"]
     count = _new_tokens(args.max_new_tokens, len(prompt), slots)
@@ -218,8 +226,7 @@ def _transcribe(args: argparse.Namespace) -> int:
         print(f"[transcribe] {error}", file=sys.stderr)
         return RUNTIME_FAILED
     text = [t for t in generated.tokens if t not in eos_ids]
-    if bundle.tokenizer is not None:
-        read_tokenizer = tokenizer.read(bundle.folder / bundle.tokenizer)
+    if read_tokenizer is not None:
         print(read_tokenizer.decode(text, skip_special_tokens=True).strip())
     else:
         print(",".join(map(str, text)))
