@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,19 @@ def test_report_json_has_a_section_per_session_and_step(kv_job: CliResult) -> No
         assert session["passed"] and all(step["passed"] for step in steps)
     # Beside what other code reads, unchanged: a shape per judged step, and its execution.
     assert len(report["shapes"]) == len(report["executions"]) == 18
+
+
+def test_one_token_steps_are_judged_against_at_least_eagers_median_error(
+    kv_job: CliResult,
+) -> None:
+    # Eager's error at a step where it rounded better than usual is raised to its median over
+    # the one-token steps, so no step's reference lies below the median of them all.
+    report = kv_job.report()
+    steps = [step for s in report["sessions"] for step in s["steps"] if step["tokens"] == 1]
+    assert len(steps) >= 5
+    for measure in ("ref_nrmse", "ref_max_abs"):
+        references = [step[measure] for step in steps]
+        assert min(references) == statistics.median_high(references) > 0
 
 
 def test_the_terminal_shows_a_row_per_session_and_the_greedy_line(kv_job: CliResult) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -109,6 +111,7 @@ def compute(
     )
     if quantized_layers.has_dynamic_activations(decoder.uncached):
         reference = _with_rounding_band(decoder, planned, cases, reference)
+    reference = _at_least_typical(reference, cases)
     greedy = None
     if greedy_tokens:
         greedy = {
@@ -165,6 +168,33 @@ def _with_rounding_band(
         "larger of that and eager's error",
         largest,
     )
+    return widened
+
+
+def _at_least_typical(
+    reference: dict[str, list[EagerError]], cases: dict
+) -> dict[str, list[EagerError]]:
+    """`reference` widened at every one-token step to eager's typical error over all of them
+    (the median, of max abs and RMS error each): eager's error at one step is one draw of what
+    the model's precision costs (on Whisper tiny.en in float32, its RMS error over one job's
+    steps spans a factor of 14), and a step where eager happened to round well would judge the
+    artifact by that luck. Prefills of several tokens keep their own: calls of another shape."""
+    one_token = [key for key, (inputs, _) in cases.items() if inputs[0].shape[-1] == 1]
+    if not one_token:
+        return reference
+    # The high median: a value eager reached at one of the steps.
+    typical_max_abs = statistics.median_high(reference[key][0].max_abs for key in one_token)
+    typical_nrmse = statistics.median_high(reference[key][0].nrmse for key in one_token)
+    widened = dict(reference)
+    for key in one_token:
+        own = reference[key][0]
+        widened[key] = [
+            replace(
+                own,
+                max_abs=max(own.max_abs, typical_max_abs),
+                nrmse=max(own.nrmse, typical_nrmse),
+            )
+        ]
     return widened
 
 
