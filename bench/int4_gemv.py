@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gemv import graphed_us
 from runtimes import int4_kernels
 
 # [out, in] of Llama-3.2-1B's projections and head.
@@ -112,27 +112,10 @@ def int4_gemv(
     return out
 
 
-def graphed_us(op: Callable[..., torch.Tensor], inputs: tuple, replays: int) -> float:
-    """The median time of one call of `op(*inputs)`, in microseconds, replayed in a CUDA graph
-    of CALLS calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            op(*inputs)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            op(*inputs)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+def _calls(op: Callable[..., torch.Tensor], inputs: tuple) -> list[Callable[[], object]]:
+    """CALLS calls of `op(*inputs)`: one weight read over and over, as tinygemm's tiles and ours
+    are compared (both from L2 where they fit; bench/gemv.py rotates weights past it)."""
+    return [lambda: op(*inputs)] * CALLS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,8 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = (ours.float() - theirs.float()).abs().max().item()
         megabytes = (tiles.nbytes + scales.nbytes) / 1e6
         inputs = (x, tiles, args.group, scales)
-        cuda_us = graphed_us(torch.ops.aten._weight_int4pack_mm, inputs, args.replays)
-        ours_us = graphed_us(int4_gemv, inputs, args.replays)
+        cuda_us = graphed_us(_calls(torch.ops.aten._weight_int4pack_mm, inputs), args.replays)
+        ours_us = graphed_us(_calls(int4_gemv, inputs), args.replays)
         rows.append(
             [
                 f"{out} x {width}",
