@@ -102,10 +102,12 @@ def whisper_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def eager_job(whisper_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     run_dir = tmp_path_factory.mktemp("whisper-eager")
-    return run_dir, *job_in_process(run_dir, *_job(whisper_checkpoint, "backend=eager"))
+    return run_dir, *job_in_process(run_dir, *encoded_job(whisper_checkpoint, "backend=eager"))
 
 
-def _job(checkpoint: Path, *overrides: str) -> tuple[str, ...]:
+def encoded_job(checkpoint: Path, *overrides: str) -> tuple[str, ...]:
+    """The overrides of a job of a model with an encode method (Whisper's, SmolVLM's): 16 cache
+    slots, prefills of 1 to 8 tokens."""
     return (
         "model=hf",
         f"model.checkpoint={checkpoint}",
@@ -119,7 +121,7 @@ def _job(checkpoint: Path, *overrides: str) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def aoti_job(whisper_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     run_dir = tmp_path_factory.mktemp("whisper-aoti")
-    return run_dir, *job_in_process(run_dir, *_job(whisper_checkpoint, "backend=aoti"))
+    return run_dir, *job_in_process(run_dir, *encoded_job(whisper_checkpoint, "backend=aoti"))
 
 
 def _assert_every_step_passed(report: dict) -> None:
@@ -200,7 +202,9 @@ def test_whisper_through_aoti_shares_the_cross_attention_cache_and_passes(aoti_j
 def test_whisper_through_executorch_shares_the_cross_attention_cache_and_passes(
     whisper_checkpoint: Path, tmp_path: Path
 ) -> None:
-    record, report = job_in_process(tmp_path, *_job(whisper_checkpoint, "backend=executorch"))
+    record, report = job_in_process(
+        tmp_path, *encoded_job(whisper_checkpoint, "backend=executorch")
+    )
     assert record.error is None
     _assert_every_step_passed(report)
     program = Runtime.get().load_program(tmp_path / "model.pte")
@@ -213,18 +217,23 @@ def test_an_encode_method_over_a_cache_of_its_own_fails_every_step(
 ) -> None:
     # The fault the shared state prevents: an encode method loaded apart writes a
     # cross-attention cache that the decoder never reads, so it attends to zeros at every step.
-    program_file = aoti_job[0] / "program.pt2"
-    model = load_pt2(program_file).exported_programs["model"]
-    apart = load_pt2(program_file).exported_programs["encode"]
-    faulty = tmp_path / "model.pt2"
-    aoti.package(model, faulty, encode=apart)
+    faulty = encode_apart(aoti_job[0] / "program.pt2", tmp_path / "model.pt2")
     record, report = job_in_process(
-        tmp_path / "run", *_job(whisper_checkpoint, "backend=aoti", f"artifact={faulty}")
+        tmp_path / "run", *encoded_job(whisper_checkpoint, "backend=aoti", f"artifact={faulty}")
     )
     assert record.error is not None
     assert len(report["executions"]) == 26 and not any(e["passed"] for e in report["executions"])
     # The search for the first diverging node cuts the decoder alone: it says why it did not run.
     assert "start with its encode method" in record.localization.reason
+
+
+def encode_apart(program_file: Path, package: Path) -> Path:
+    """An AOTInductor package of `program_file`'s programs whose encode model was loaded apart
+    from the decoder's: it writes state of its own, which the decoder never reads."""
+    model = load_pt2(program_file).exported_programs["model"]
+    apart = load_pt2(program_file).exported_programs["encode"]
+    aoti.package(model, package, encode=apart)
+    return package
 
 
 def test_the_transcription_prompt_is_the_checkpoints_and_features_come_in_float32(
@@ -253,6 +262,6 @@ def test_a_whisper_checkpoint_needs_a_static_cache_and_a_backend_with_two_method
     with pytest.raises(ConfigError, match=r"add model\.kv_cache=static"):
         to_job(composed("model=hf", f"model.checkpoint={whisper_checkpoint}"))
     with pytest.raises(ConfigError, match=r"backend=webgpu: .* a speech recognizer"):
-        to_job(composed(*_job(whisper_checkpoint, "backend=webgpu")))
+        to_job(composed(*encoded_job(whisper_checkpoint, "backend=webgpu")))
     with pytest.raises(ConfigError, match=r"quantize=int4_weight: .* float only"):
-        to_job(composed(*_job(whisper_checkpoint, "backend=aoti", "quantize=int4_weight")))
+        to_job(composed(*encoded_job(whisper_checkpoint, "backend=aoti", "quantize=int4_weight")))

@@ -106,6 +106,12 @@ _TABLES = {
         ("models", "auto", "modeling_auto.py"),
         "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
     ),
+    # The model types AutoModelForImageTextToText loads (vision-language models), each with its
+    # class.
+    "vision_lms": (
+        ("models", "auto", "modeling_auto.py"),
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    ),
     # The model types AutoModelForImageClassification loads, each with its class or classes.
     "image_classifiers": (
         ("models", "auto", "modeling_auto.py"),
@@ -126,18 +132,24 @@ _GGUF_RENAMES = {
 }
 
 
+# The vision-language models model=hf exports (exporter/models/hf_vision_lm.py: their vision
+# tower and connector as its encode method computes them).
+VISION_LM_TYPES = ("smolvlm",)
+
+
 class HfTask(Enum):
     """What a checkpoint's architecture computes, which model=hf exports: a causal LM's logits
     (`causal_lm`), an encoder-only text model's masked-LM logits (`masked_lm`) or its last
     hidden state (`encoder`, saved headless), an image classifier's logits
     (`image_classification`), Whisper's next-token logits after its encoder read a clip
-    (`speech_recognition`)."""
+    (`speech_recognition`), SmolVLM's after its vision tower read an image (`vision_lm`)."""
 
     causal_lm = "causal_lm"
     masked_lm = "masked_lm"
     encoder = "encoder"
     image_classification = "image_classification"
     speech_recognition = "speech_recognition"
+    vision_lm = "vision_lm"
 
     @property
     def kind(self) -> str:
@@ -146,6 +158,8 @@ class HfTask(Enum):
             return "an image classifier"
         if self is HfTask.speech_recognition:
             return "a speech recognizer"
+        if self is HfTask.vision_lm:
+            return "a vision-language model"
         if self is HfTask.causal_lm:
             return "a causal LM"
         return "an encoder-only text model"
@@ -183,6 +197,7 @@ class TaskTables:
     encoder_decoders: ClassNames
     image_classifiers: ClassNames
     speech_recognizers: ClassNames
+    vision_lms: ClassNames
 
 
 def task_of(directory: Path, model_type: object, saved_as: list[str], tables: TaskTables) -> HfTask:
@@ -210,6 +225,13 @@ def task_of(directory: Path, model_type: object, saved_as: list[str], tables: Ta
         and set(_names([speech[model_type]])).intersection(saved_as)
     ):
         return HfTask.speech_recognition
+    vision = tables.vision_lms
+    if (
+        model_type in VISION_LM_TYPES
+        and model_type in vision
+        and set(_names([vision[model_type]])).intersection(saved_as)
+    ):
+        return HfTask.vision_lm
     # The masked-LM table holds encoder-decoders too (bart -> BartForConditionalGeneration),
     # whose inputs and outputs are a decoder's as well.
     if (
@@ -336,11 +358,12 @@ def no_causal_lm_head(directory: Path, model_type: object, saved_as: list[str]) 
     architecture = f" (saved as {', '.join(saved_as)})" if saved_as else ""
     return (
         f"model.checkpoint={directory}: model_type {model_type!r}{architecture} has no "
-        "causal-LM head and is no encoder-only text model or image classifier (an "
-        "encoder-decoder, a headless decoder, another task's head, or another modality); "
-        "model=hf exports causal LMs (AutoModelForCausalLM), encoder-only text models, saved "
-        "with their masked-LM head (AutoModelForMaskedLM) or headless (AutoModel), and image "
-        "classifiers (AutoModelForImageClassification)."
+        "causal-LM head and is no encoder-only text model, image classifier, Whisper or "
+        "SmolVLM (an encoder-decoder, a headless decoder, another task's head, or another "
+        "modality); model=hf exports causal LMs (AutoModelForCausalLM), encoder-only text "
+        "models, saved with their masked-LM head (AutoModelForMaskedLM) or headless "
+        "(AutoModel), image classifiers (AutoModelForImageClassification), Whisper "
+        "(AutoModelForSpeechSeq2Seq) and SmolVLM (AutoModelForImageTextToText)."
     )
 
 

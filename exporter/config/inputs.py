@@ -30,8 +30,8 @@ def checked_inputs(job: JobConfig) -> JobConfig:
     checkpoint = getattr(job.model, "checkpoint", None)
     if checkpoint is not None:
         architecture = _check_checkpoint(checkpoint)
-        if architecture is not None and architecture.task is HfTask.speech_recognition:
-            _check_speech_job(job, checkpoint, architecture)
+        if architecture is not None and architecture.task in _ENCODED_TASKS:
+            _check_encoded_job(job, checkpoint, architecture)
         elif architecture is not None and architecture.task is not HfTask.causal_lm:
             _check_non_causal_job(job, checkpoint, architecture)
     for op in job.fallback.ops:
@@ -68,6 +68,10 @@ _TASK_DIMS = {
 }
 
 
+# The tasks whose decoder reads what an encode method wrote (Encoding).
+_ENCODED_TASKS = (HfTask.speech_recognition, HfTask.vision_lm)
+
+
 def _check_non_causal_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
     """A checkpoint of another task than a causal LM's is model=hf's, with its task's dims, and
     none of what a causal LM's generation takes: refused here, where the model stage would build
@@ -98,10 +102,11 @@ def _check_non_causal_job(job: JobConfig, checkpoint: str, architecture: Archite
             raise architecture.causal_only(setting, checkpoint)
 
 
-def _check_speech_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
-    """A speech recognizer (Whisper) is model=hf's, decodes with a static KV cache after its
-    encode method reads a clip, with a backend that lowers both methods, and takes none of what
-    only a causal LM's text settings or the quantizers take yet."""
+def _check_encoded_job(job: JobConfig, checkpoint: str, architecture: Architecture) -> None:
+    """A speech recognizer (Whisper) or a vision-language model (SmolVLM) is model=hf's,
+    decodes with a static KV cache after its encode method reads a clip or an image, with a
+    backend that lowers both methods, and takes none of what only a causal LM's text settings
+    or the quantizers take yet."""
     kind = f"{architecture.task.kind} (model_type {architecture.model_type!r})"
     if not isinstance(job.model, HfConfig):
         raise ConfigError(
@@ -129,8 +134,8 @@ def _check_speech_job(job: JobConfig, checkpoint: str, architecture: Architectur
         if chosen:
             raise ConfigError(
                 f"{setting}: model.checkpoint={checkpoint} is {kind}, which is exported in "
-                f"float only, its sessions decoding after a clip; leave {setting.split('=')[0]} "
-                "unset."
+                "float only, its sessions decoding after its encode method; leave "
+                f"{setting.split('=')[0]} unset."
             )
 
 

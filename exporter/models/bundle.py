@@ -39,18 +39,22 @@ RunnerMetadata = dict[str, int | bool | list[int]]
 
 @dataclass(frozen=True)
 class Encoding:
-    """What a decoder attends to besides its tokens (Whisper's clip of audio), encoded once per
-    session: `module` is the encode method as torch.export takes it, writing the decoder's
-    cross-attention state (buffers named as the decoder's module names them); `make_input(seed)`
-    draws one input of it (a session's clip) of `input_shape`, `input_name` its name; `prompt`
-    is what the decoder starts from once it is encoded (Whisper's start of transcript, then its
-    language and task where it is multilingual, and no timestamps)."""
+    """What a decoder attends to besides its tokens (Whisper's clip of audio, SmolVLM's image),
+    encoded once per session: `module` is the encode method as torch.export takes it, writing
+    the decoder's state (buffers named as the decoder's module names them); `make_input(seed)`
+    draws one input of it (a session's clip or image) of `input_shape`, `input_name` its name;
+    `prompt` is what the decoder starts from once it is encoded (Whisper's start of transcript,
+    then its language and task where it is multilingual, and no timestamps; SmolVLM's image
+    tokens). `placeholders` are the tokens that stand for the encoded input in the sequence
+    (SmolVLM's image tokens), which every session holds once, after its first token; none where
+    the decoder attends to it apart (Whisper's cross-attention)."""
 
     module: torch.nn.Module
     input_name: str
     input_shape: tuple[int, ...]
     make_input: Callable[[int], torch.Tensor]
     prompt: tuple[int, ...]
+    placeholders: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

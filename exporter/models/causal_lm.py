@@ -174,6 +174,11 @@ def with_llm_ops(declaration: ModelDeclaration) -> tuple[ModelDeclaration, str |
     module, decoder = declaration.module, declaration.decoder
     if not isinstance(module, StaticCacheLM) or decoder is None:
         return declaration, None
+    if decoder.encoding is not None:
+        return declaration, (
+            "its decoder reads what an encode method wrote (an image's features), which "
+            "LlmOpsCacheLM's forward does not"
+        )
     model = module.model
     misfit = _llm_ops_misfit(model, decoder.max_cache_len)
     if misfit:
@@ -247,7 +252,9 @@ def eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
     instruct model's end of turn, which transformers' generate stops at too), each once."""
     found: list[int] = []
     generation = getattr(model, "generation_config", None)
-    for eos in (model.config.eos_token_id, getattr(generation, "eos_token_id", None)):
+    # A vision-language model's config holds its language model's (text_config).
+    config = model.config.get_text_config()
+    for eos in (config.eos_token_id, getattr(generation, "eos_token_id", None)):
         for token in [] if eos is None else [eos] if isinstance(eos, int) else eos:
             if token not in found:
                 found.append(token)

@@ -1,11 +1,13 @@
-"""Any local Hugging Face causal-LM, encoder-only text, image-classification or Whisper checkpoint,
-through transformers' own classes: a causal LM's token ids [1, seq] -> logits [1, seq, vocab]
-(exporter/models/causal_lm.py), an encoder's token ids and attention mask [batch, seq] -> masked-LM
-logits or its last hidden state (exporter/models/hf_encoder.py), an image classifier's pixel values
-[batch, channels, height, width] -> class logits (exporter/models/hf_image.py), Whisper's decoder
-tokens after an encode method read a clip (exporter/models/hf_speech.py), as the checkpoint's
-architecture says. A save_pretrained() directory or a GGUF file (causal LMs alone), whose weights
-transformers dequantizes into the float model. Local files only, never remote code."""
+"""Any local Hugging Face causal-LM, encoder-only text, image-classification, Whisper or SmolVLM
+checkpoint, through transformers' own classes: a causal LM's token ids [1, seq] -> logits
+[1, seq, vocab] (exporter/models/causal_lm.py), an encoder's token ids and attention mask
+[batch, seq] -> masked-LM logits or its last hidden state (exporter/models/hf_encoder.py), an
+image classifier's pixel values [batch, channels, height, width] -> class logits
+(exporter/models/hf_image.py), Whisper's decoder tokens after an encode method read a clip
+(exporter/models/hf_speech.py), SmolVLM's tokens after one read an image
+(exporter/models/hf_vision_lm.py), as the checkpoint's architecture says. A save_pretrained()
+directory or a GGUF file (causal LMs alone), whose weights transformers dequantizes into the
+float model. Local files only, never remote code."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
+    AutoModelForImageTextToText,
     AutoModelForMaskedLM,
     AutoModelForSpeechSeq2Seq,
     AutoTokenizer,
@@ -35,6 +38,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -53,6 +58,7 @@ from exporter.models.causal_lm import cache_slots, declare_causal_lm
 from exporter.models.hf_encoder import declare_encoder
 from exporter.models.hf_image import declare_image_classifier
 from exporter.models.hf_speech import declare_speech_recognizer
+from exporter.models.hf_vision_lm import declare_vision_lm
 
 # transformers' tables of the classes that say a checkpoint's task, as hf_checkpoint reads them
 # as text when the job is composed.
@@ -63,6 +69,7 @@ _TASK_TABLES = hf_checkpoint.TaskTables(
     encoder_decoders=MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     image_classifiers=MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
     speech_recognizers=MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    vision_lms=MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 # The Auto class that loads each task's weights, and its mapping of config classes to models.
 _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
@@ -74,6 +81,7 @@ _LOADERS: dict[HfTask, tuple[Any, Mapping[type, type[PreTrainedModel]]]] = {
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     ),
     HfTask.speech_recognition: (AutoModelForSpeechSeq2Seq, MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING),
+    HfTask.vision_lm: (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING),
 }
 
 
@@ -84,17 +92,18 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
     # GPT-2's n_positions answers to this name too, through its config's attribute_map; a
     # config without it (no learned or bounded positions) leaves seq to dynamic's bounds alone.
     max_positions = getattr(config, "max_position_embeddings", None)
-    if found is HfTask.speech_recognition:
+    if found in (HfTask.speech_recognition, HfTask.vision_lm):
         slots = cache_slots(cfg)
         if slots is None:
             # Refused at compose too (exporter/config/inputs.py), for a schema built without it.
             raise ConfigError(
-                f"model.checkpoint={checkpoint} is a speech recognizer, whose decoder runs with "
-                "a static KV cache: add model.kv_cache=static."
+                f"model.checkpoint={checkpoint} is {found.kind}, whose decoder runs with a "
+                "static KV cache: add model.kv_cache=static."
             )
-        return declare_speech_recognizer(
-            model, checkpoint, slots, functools.partial(load_tokenizer, checkpoint)
-        )
+        tokenizer = functools.partial(load_tokenizer, checkpoint)
+        if found is HfTask.vision_lm:
+            return declare_vision_lm(model, slots, tokenizer)
+        return declare_speech_recognizer(model, checkpoint, slots, tokenizer)
     if found is not HfTask.causal_lm:
         # Refused at compose too (exporter/config/inputs.py), but not for a schema built
         # without it, which would otherwise export an encoder that ignores the setting.

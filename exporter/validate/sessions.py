@@ -45,7 +45,9 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
     length in the middle and its max, each then decoding one token at a time to the last cache
     slot. Each judges its first decode step, the last slot and `sampled` positions between,
     spread evenly with one seeded draw among them. A decoder that attends to an encoded input
-    (Whisper's clip) has one drawn per session (`encoded`), encoded as the session starts."""
+    (Whisper's clip, SmolVLM's image) has one drawn per session (`encoded`), encoded as the
+    session starts, and the tokens that stand for it in the sequence (Encoding.placeholders)
+    after the session's first token."""
     rng = random.Random(seed)
     slots = decoder.max_cache_len
     middle = (seq.min + seq.max) // 2
@@ -57,6 +59,8 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
     for index, prefill in enumerate(prefills):
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:session{index}".encode()))
         tokens = torch.randint(0, decoder.vocab_size, (slots,), generator=generator)
+        if decoder.encoding is not None and decoder.encoding.placeholders:
+            tokens = _with_placeholders(tokens, decoder.encoding.placeholders, decoder.vocab_size)
         decode = range(prefill, slots)
         chosen: set[int] = set()
         if decode:
@@ -71,6 +75,20 @@ def plan(decoder: Decoder, seq: DynamicDim, sampled: int, seed: int) -> list[dic
             )
         planned.append(session)
     return planned
+
+
+def _with_placeholders(
+    tokens: torch.Tensor, placeholders: tuple[int, ...], vocab: int
+) -> torch.Tensor:
+    """`tokens` with `placeholders` after the first token, and each other token that is one of
+    them drawn anew: the sequence holds the encoded input once, where the plan put it."""
+    special = torch.tensor(sorted(set(placeholders)))
+    drawn = tokens.clone()
+    while bool(torch.isin(drawn, special).any()):
+        clashing = torch.isin(drawn, special)
+        drawn[clashing] = (drawn[clashing] + 1) % vocab
+    drawn[1 : 1 + len(placeholders)] = torch.tensor(placeholders)
+    return drawn
 
 
 def compute(
