@@ -38,19 +38,22 @@ class Preprocessor:
 
     def pixel_values(self, images: Sequence[Path]) -> torch.Tensor:
         """The images as the model takes them: [batch, channels, height, width], float32."""
-        from PIL import Image, UnidentifiedImageError
-
-        opened = []
-        for path in images:
-            try:
-                with Image.open(path) as image:
-                    opened.append(image.convert("RGB"))
-            except (OSError, UnidentifiedImageError) as error:
-                raise ImageRefused(f"{path}: not an image Pillow reads ({error})") from error
-            except Image.DecompressionBombError as error:
-                # More pixels than Pillow decodes unasked: a file made to exhaust memory.
-                raise ImageRefused(f"{path}: refused: {error}") from error
+        opened = [rgb(path) for path in images]
         return self.processor(opened, return_tensors="pt")["pixel_values"].float()
+
+
+def rgb(path: Path) -> Any:
+    """The image file at `path` as a Pillow RGB image; ImageRefused where Pillow reads none."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:
+        raise ImageRefused(f"{path}: not an image Pillow reads ({error})") from error
+    except Image.DecompressionBombError as error:
+        # More pixels than Pillow decodes unasked: a file made to exhaust memory.
+        raise ImageRefused(f"{path}: refused: {error}") from error
 
 
 def read(folder: Path) -> Preprocessor:

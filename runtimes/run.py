@@ -22,12 +22,17 @@ method run on them, then greedy decoding from the model's prompt (the manifest's
 metadata) to its end of text or `--max-new-tokens`; the text, decoded by the bundle's tokenizer
 (the tokens' ids where it has none), then one line of figures.
 
+`describe`: a vision-language model (SmolVLM) continues an image file and `--prompt`: the image
+resized and normalized as the bundle's image processor settings say (runtimes/pixels.py), the
+artifact's encode method run on it, then greedy decoding from the model's prompt (its first token
+and the image's tokens) and the prompt's tokens, printed as `transcribe` prints.
+
 What native libraries print (ExecuTorch's C++ log lines) goes to native.log in the bundle, where
 it can be written. It imports nothing of the exporter.
 
-Exit codes: 0 generated, classified or transcribed, 2 bad input (a bundle missing, incomplete or
-of another model than the task runs, an argument, image or audio file it cannot take: the line
-names it), 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
+Exit codes: 0 generated, classified, transcribed or described, 2 bad input (a bundle missing,
+incomplete or of another model than the task runs, an argument, image or audio file it cannot
+take: the line names it), 5 the artifact cannot be loaded or run, 130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtimes import Loaded, audio, classification, load, native_log, tokenizer
+from runtimes import Loaded, audio, classification, load, native_log, pixels, tokenizer
 from runtimes.formats.bundle import Bundle, BundleInvalid, read
 from runtimes.generation import Sampling, generate
 from runtimes.verdict.errors import ArtifactFailed
@@ -177,10 +182,10 @@ def _transcribe(args: argparse.Namespace) -> int:
     bundle = _bundle(Path(args.bundle))
     metadata = bundle.runner_metadata
     shape = metadata.get("get_encoder_input_shape")
-    if shape is None:
+    if shape is None or len(shape) != 3:
         raise BadInput(
-            f"{bundle.folder}: a bundle of {_model(bundle)} without an encode method; "
-            "transcribe runs a speech recognizer (Whisper) exported with model=hf"
+            f"{bundle.folder}: a bundle of {_model(bundle)} without an encode method that reads "
+            "audio; transcribe runs a speech recognizer (Whisper) exported with model=hf"
         )
     try:
         samples = audio.read_wav(Path(args.audio))
@@ -189,29 +194,81 @@ def _transcribe(args: argparse.Namespace) -> int:
     import torch
 
     features = torch.from_numpy(audio.log_mel(samples, shape[1])).unsqueeze(0)
-    # Read before the model runs: a bundle whose tokenizer this target cannot read is refused
-    # in a line, not after the transcription.
-    read_tokenizer = None
-    if bundle.tokenizer is not None:
-        try:
-            read_tokenizer = tokenizer.read(bundle.folder / bundle.tokenizer)
-        except tokenizer.TokenizerRefused as error:
-            raise BadInput(str(error)) from error
+    seconds = min(len(samples) / audio.SAMPLE_RATE, audio.CHUNK_SECONDS)
     prompt = list(metadata["get_decoder_prompt_ids"])
+    return _decoded_after_encoding(
+        args, bundle, features, prompt, _text_tokenizer(bundle), f"{seconds:.1f} s of {args.audio}"
+    )
+
+
+def _describe(args: argparse.Namespace) -> int:
+    bundle = _bundle(Path(args.bundle))
+    metadata = bundle.runner_metadata
+    shape = metadata.get("get_encoder_input_shape")
+    if shape is None or len(shape) != 4:
+        raise BadInput(
+            f"{bundle.folder}: a bundle of {_model(bundle)} without an encode method that reads "
+            "an image; describe runs a vision-language model (SmolVLM) exported with model=hf"
+        )
+    if bundle.preprocessor is None:
+        raise BadInput(
+            f"{bundle.folder}: the bundle has no image processor settings (the checkpoint was "
+            "saved without its preprocessor_config.json), which describe normalizes the image with"
+        )
+    try:
+        settings = pixels.read(bundle.folder / bundle.preprocessor)
+        values = settings.pixel_values(Path(args.image), shape[2], shape[3])
+    except classification.ImageRefused as error:
+        raise BadInput(str(error)) from error
+    read_tokenizer = _text_tokenizer(bundle)
+    prompt = list(metadata["get_decoder_prompt_ids"])
+    if args.prompt is not None:
+        if read_tokenizer is None:
+            raise BadInput(
+                f"--prompt: the bundle has no tokenizer ({_model(bundle)} was exported without one)"
+            )
+        # After the image: the text's own tokens, without the BOS that starts a sequence.
+        prompt += list(read_tokenizer.encode(args.prompt, add_special_tokens=False))
+    _check_fits("the image's tokens and --prompt", prompt, metadata)
+    return _decoded_after_encoding(args, bundle, values, prompt, read_tokenizer, str(args.image))
+
+
+def _text_tokenizer(bundle: Bundle) -> Any:
+    """The bundle's tokenizer, read before the model runs (one this target cannot read is
+    refused in a line, not after the decoding); None where the bundle has none."""
+    if bundle.tokenizer is None:
+        return None
+    try:
+        return tokenizer.read(bundle.folder / bundle.tokenizer)
+    except tokenizer.TokenizerRefused as error:
+        raise BadInput(str(error)) from error
+
+
+def _decoded_after_encoding(
+    args: argparse.Namespace,
+    bundle: Bundle,
+    encoded: torch.Tensor,
+    prompt: list[int],
+    read_tokenizer: Any,
+    what: str,
+) -> int:
+    """The artifact's encode method run on `encoded`, then greedy decoding from `prompt` to an
+    EOS id or --max-new-tokens: the text (the ids where the bundle has no tokenizer), then the
+    encode's time and the decoding's figures."""
+    task = args.task_name
+    metadata = bundle.runner_metadata
     slots = metadata["get_max_context_len"]
     count = _new_tokens(args.max_new_tokens, len(prompt), slots)
     device = args.device or bundle.device
-    seconds = min(len(samples) / audio.SAMPLE_RATE, audio.CHUNK_SECONDS)
     print(
-        f"[transcribe] {bundle.artifact} on {bundle.runtime} ({device}): {seconds:.1f} s of "
-        f"{args.audio}, up to {count} tokens",
+        f"[{task}] {bundle.artifact} on {bundle.runtime} ({device}): {what}, up to {count} tokens",
         flush=True,
     )
     try:
         with _loaded(bundle, device) as loaded:
             started = time.perf_counter()
             try:
-                loaded.encode((features,))
+                loaded.encode((encoded,))
             except Exception as error:
                 raise ArtifactFailed(
                     f"the encode method failed: {type(error).__name__}: {error}"
@@ -219,18 +276,15 @@ def _transcribe(args: argparse.Namespace) -> int:
             encode_ms = (time.perf_counter() - started) * 1e3
             eos_ids = set(metadata.get("get_eos_ids", ()))
             generated = generate(Cache(loaded, slots), prompt, count, eos_ids, Sampling())
-    except _LoadFailed as error:
-        print(f"[transcribe] {error}", file=sys.stderr)
-        return RUNTIME_FAILED
-    except ArtifactFailed as error:
-        print(f"[transcribe] {error}", file=sys.stderr)
+    except (_LoadFailed, ArtifactFailed) as error:
+        print(f"[{task}] {error}", file=sys.stderr)
         return RUNTIME_FAILED
     text = [t for t in generated.tokens if t not in eos_ids]
     if read_tokenizer is not None:
         print(read_tokenizer.decode(text, skip_special_tokens=True).strip())
     else:
         print(",".join(map(str, text)))
-    print(f"[transcribe] encode {encode_ms:.1f} ms, {generated.figures(Sampling())}")
+    print(f"[{task}] encode {encode_ms:.1f} ms, {generated.figures(Sampling())}")
     return DONE
 
 
@@ -321,9 +375,16 @@ def _prompt(
         ids = _ids(args.ids, metadata["get_vocab_size"])
         stream = None
     source = "--prompt" if args.prompt is not None else "--ids"
-    slots, longest = metadata["get_max_context_len"], metadata["get_max_seq_len"]
     if not ids:
         raise BadInput(f"{source}: no tokens to start from")
+    _check_fits(source, ids, metadata)
+    return ids, stream
+
+
+def _check_fits(source: str, ids: list[int], metadata: dict) -> None:
+    """Refuses a prompt that one prefill cannot take, or that leaves no cache slot to generate
+    in."""
+    slots, longest = metadata["get_max_context_len"], metadata["get_max_seq_len"]
     if len(ids) > longest:
         raise BadInput(
             f"{source}: {len(ids)} tokens, and the artifact's prefill takes at most {longest} "
@@ -334,7 +395,6 @@ def _prompt(
             f"{source}: {len(ids)} tokens fill the cache's {slots} slots, leaving none to "
             "generate in: shorten the prompt, or export with a larger model.max_cache_len"
         )
-    return ids, stream
 
 
 def _tokenizer(bundle: Bundle) -> Any:
@@ -467,6 +527,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     transcribe_parser.set_defaults(task=_transcribe, task_name="transcribe")
     transcribe_parser.add_argument("audio", help="a 16 kHz PCM WAV file")
+    describe_parser = tasks.add_parser(
+        "describe",
+        parents=[on_device, decoding],
+        help="continue an image and a prompt with a vision-language model (SmolVLM)",
+        description="Run a vision-language model exported with model=hf (SmolVLM) on an image "
+        "file: the image's tokens, then --prompt's, continued greedily; the text, then the "
+        "encode's time and the decoding's figures.",
+    )
+    describe_parser.set_defaults(task=_describe, task_name="describe")
+    describe_parser.add_argument("image", help="an image file Pillow reads")
+    describe_parser.add_argument(
+        "--prompt", help="text after the image, encoded with the bundle's tokenizer"
+    )
     return parser
 
 

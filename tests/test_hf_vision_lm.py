@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from executorch.runtime import Runtime
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.export.pt2_archive._package import load_pt2
-from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+from transformers import (
+    PreTrainedTokenizerFast,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
+    SmolVLMImageProcessor,
+)
 
 from exporter.config import to_job
 from exporter.errors import ConfigError
 from exporter.models.hf_vision_lm import VisionLanguageCacheLM, blobs, declare_vision_lm
+from runtimes import pixels, run
 from tests.conftest import composed, job_in_process
 from tests.test_hf_speech import encode_apart, encoded_job
 
@@ -102,11 +110,41 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
     assert set(encode.constants) <= set(decode.constants)
 
 
+def _processor() -> SmolVLMImageProcessor:
+    """SmolVLM's image processor at the tiny model's size, one image without tiles."""
+    return SmolVLMImageProcessor(
+        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+    )
+
+
 @pytest.fixture(scope="module")
 def vlm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("smolvlm")
     _model().save_pretrained(directory)
+    _processor().save_pretrained(directory)
+    # A word per id, so that the text describe prints reads as the ids the model chose.
+    vocab = {f"w{index}": index for index in range(SMALL.text_config.vocab_size)}
+    vocab["<eos>"] = vocab.pop("w2")
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>").save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def eager_job(vlm_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    run_dir = tmp_path_factory.mktemp("smolvlm-eager")
+    return run_dir, *job_in_process(run_dir, *encoded_job(vlm_checkpoint, "backend=eager"))
+
+
+def _image_file(folder: Path, seed: int, height: int, width: int) -> Path:
+    """A PNG of seeded blobs, `height` x `width` pixels."""
+    side = max(height, width)
+    values = ((blobs(seed, side, 3)[0] + 1) / 2 * 255).round().byte().permute(1, 2, 0)
+    path = folder / f"image{seed}.png"
+    Image.fromarray(values[:height, :width].numpy()).save(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +165,9 @@ def _assert_every_step_passed(report: dict) -> None:
 
 
 def test_a_smolvlm_checkpoint_is_judged_at_every_step_of_sessions_each_with_an_image(
-    vlm_checkpoint: Path, tmp_path: Path
+    eager_job: tuple,
 ) -> None:
-    record, report = job_in_process(tmp_path, *encoded_job(vlm_checkpoint, "backend=eager"))
+    tmp_path, record, report = eager_job
     assert record.error is None
     _assert_every_step_passed(report)
     goldens = torch.load(tmp_path / "bundle" / "goldens.pt", weights_only=True)
@@ -198,4 +236,49 @@ def test_a_smolvlm_checkpoint_needs_a_static_cache_and_a_backend_with_two_method
         to_job(composed(*encoded_job(vlm_checkpoint, "backend=aoti", "quantize=int4_weight")))
     # An image of 4 tokens, a token before it and one after: 6 slots at least.
     with pytest.raises(ConfigError, match=r"an image is 4 tokens: the cache needs at least 6"):
-        declare_vision_lm(_model(), 5)
+        declare_vision_lm(_model(), Path(), 5)
+
+
+@pytest.mark.parametrize(("height", "width"), [(48, 48), (64, 40), (20, 30)])
+def test_the_targets_pixels_are_smolvlms_processors(
+    tmp_path: Path, height: int, width: int
+) -> None:
+    _processor().save_pretrained(tmp_path)
+    image = _image_file(tmp_path, 7, height, width)
+    expected = _processor()(images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+    actual = pixels.read(tmp_path).pixel_values(image, 32, 32)
+    torch.testing.assert_close(actual, expected["pixel_values"][0], atol=1e-6, rtol=0)
+
+
+def test_describe_prints_the_text_of_eagers_greedy_tokens_after_an_image_and_a_prompt(
+    eager_job: tuple, vlm_checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    bundle = str(eager_job[0] / "bundle")
+    image = _image_file(tmp_path, 11, 40, 56)
+    assert run.main([bundle, "describe", str(image), "--prompt", "w5 w6"]) == 0
+    printed = capfd.readouterr().out.splitlines()
+    model = SmolVLMForConditionalGeneration.from_pretrained(vlm_checkpoint).eval()
+    vlm = VisionLanguageCacheLM(model, slots=16).eval()
+    processed = _processor()(images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+    tokens, position = [1, *[IMAGE_TOKEN] * ROWS, 5, 6], 0
+    with torch.no_grad():
+        vlm.encode(processed["pixel_values"][0])
+        while len(tokens) < 16:
+            logits = vlm(torch.tensor([tokens[position:]]), torch.arange(position, len(tokens)))
+            position = len(tokens)
+            tokens.append(int(logits[0, -1].argmax()))
+            if tokens[-1] == 2:
+                break
+    expected = " ".join(f"w{token}" for token in tokens[7:] if token != 2)
+    assert expected and printed[1] == expected
+    assert printed[2].startswith("[describe] encode ")
+    # What describe cannot take: a file that is no image, a prompt past one prefill, and a
+    # bundle of a model without an image encoder (transcribe's is Whisper's).
+    assert run.main([bundle, "describe", str(vlm_checkpoint / "config.json")]) == 2
+    assert run.main([bundle, "describe", str(image), "--prompt", "w5 w6 w7 w8"]) == 2
+    assert run.main([bundle, "transcribe", str(image)]) == 2
+    # The last three lines: loading the model above printed its progress there before them.
+    errors = capfd.readouterr().err.splitlines()[-3:]
+    assert "config.json: not an image Pillow reads" in errors[0]
+    assert "9 tokens, and the artifact's prefill takes at most 8" in errors[1]
+    assert "without an encode method that reads audio" in errors[2]

@@ -185,7 +185,8 @@ class ModelDeclaration:
     export_strict: bool = False
     file_quantization: Callable[[], FileQuantization] | None = None
     # Writes into the folder it is given what a target turns raw inputs into the model's with
-    # (an image classifier's image processor, and its labels); None where the model has none.
+    # (an image classifier's image processor, and its labels; a vision-language model's image
+    # processor settings); None where the model has none.
     preprocessor: Callable[[Path], object] | None = None
 
 

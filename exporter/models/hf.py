@@ -102,7 +102,7 @@ def declare(cfg: HfConfig) -> ModelDeclaration:
             )
         tokenizer = functools.partial(load_tokenizer, checkpoint)
         if found is HfTask.vision_lm:
-            return declare_vision_lm(model, slots, tokenizer)
+            return declare_vision_lm(model, checkpoint, slots, tokenizer)
         return declare_speech_recognizer(model, checkpoint, slots, tokenizer)
     if found is not HfTask.causal_lm:
         # Refused at compose too (exporter/config/inputs.py), but not for a schema built

@@ -12,7 +12,10 @@ after its processor's normalization, not noise.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ from transformers.integrations.executorch import TorchExportableModuleWithStatic
 from exporter.errors import ConfigError
 from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
 from exporter.models.causal_lm import StaticCacheLM, declare_cached, eos_ids
+from runtimes import pixels
 
 # A session's image: a field of this many smooth blobs of colour.
 _BLOBS = 4
@@ -121,11 +125,15 @@ def blobs(seed: int, size: int, channels: int) -> torch.Tensor:
 
 
 def declare_vision_lm(
-    model: PreTrainedModel, max_cache_len: int, tokenizer: Callable[[], Any] | None = None
+    model: PreTrainedModel,
+    checkpoint: Path,
+    max_cache_len: int,
+    tokenizer: Callable[[], Any] | None = None,
 ) -> ModelDeclaration:
     """SmolVLM behind VisionLanguageCacheLM with `max_cache_len` slots: its token ids and cache
     positions are the program's inputs, its encode method a second program (Encoding), whose
-    image tokens the sessions place after their first token."""
+    image tokens the sessions place after their first token. The checkpoint's image processor
+    settings go into the bundle, where it has them (runtimes/pixels.py reads them)."""
     config = model.config
     text = config.text_config
     if max_cache_len > text.max_position_embeddings:
@@ -144,7 +152,7 @@ def declare_vision_lm(
     image_shape = (1, vision.num_channels, vision.image_size, vision.image_size)
     image_tokens = (config.image_token_id,) * rows
     bos = text.bos_token_id
-    return declare_cached(
+    declaration = declare_cached(
         module,
         Decoder(
             max_cache_len=max_cache_len,
@@ -165,3 +173,12 @@ def declare_vision_lm(
             ),
         ),
     )
+    settings = checkpoint / pixels.PROCESSOR_FILE
+    if not settings.is_file():
+        return declaration
+
+    def write(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(settings, folder / settings.name)
+
+    return dataclasses.replace(declaration, preprocessor=write)
