@@ -60,8 +60,8 @@ class VisionLanguageCacheLM(StaticCacheLM):
         patch's position is its index (transformers computes it from a mask of real patches)."""
         vlm = self.model.model
         vision = vlm.vision_model
-        pixels = pixel_values.to(self.model.dtype)
-        patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        values = pixel_values.to(self.model.dtype)
+        patches = vision.embeddings.patch_embedding(values).flatten(2).transpose(1, 2)
         states = vision.encoder(inputs_embeds=patches + vision.embeddings.position_embedding.weight)
         features = vlm.connector(vision.post_layernorm(states.last_hidden_state))[0]
         self.image_features.copy_(features)
