@@ -23,6 +23,8 @@ from runtimes import Loaded
 from runtimes.verdict.errors import ArtifactFailed
 
 LABELS_FILE = "labels.json"
+# What an image processor's save_pretrained() writes, which from_pretrained() reads.
+PROCESSOR_FILE = "preprocessor_config.json"
 
 
 class ImageRefused(Exception):

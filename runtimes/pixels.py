@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from runtimes.classification import ImageRefused, rgb
-
-PROCESSOR_FILE = "preprocessor_config.json"
+from runtimes.classification import PROCESSOR_FILE, ImageRefused, rgb
 
 
 @dataclass(frozen=True)

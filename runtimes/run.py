@@ -398,15 +398,13 @@ def _check_fits(source: str, ids: list[int], metadata: dict) -> None:
 
 
 def _tokenizer(bundle: Bundle) -> Any:
-    if bundle.tokenizer is None:
+    read_tokenizer = _text_tokenizer(bundle)
+    if read_tokenizer is None:
         raise BadInput(
             f"--prompt: the bundle has no tokenizer ({_model(bundle)} was exported without one): "
             "give the prompt's token ids with --ids 1,2,3"
         )
-    try:
-        return tokenizer.read(bundle.folder / bundle.tokenizer)
-    except tokenizer.TokenizerRefused as error:
-        raise BadInput(f"--prompt: {error}") from error
+    return read_tokenizer
 
 
 def _ids(text: str, vocab_size: int) -> list[int]:

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast, WhisperConfig, WhisperForCondi
 from exporter.backends import aoti
 from exporter.config import to_job
 from exporter.errors import ConfigError
+from exporter.models.bundle import encode_as_forward
 from exporter.models.hf_speech import WhisperCacheLM, prompt_of, tones
 from runtimes import audio, run
 from tests.conftest import composed, job_in_process
@@ -64,7 +65,7 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
     features = torch.randn(1, 80, 3000)
     tokens = torch.randint(0, 96, (1, 5))
     seq = torch.export.Dim("seq", min=1, max=16)
-    encode = torch.export.export(whisper.encoder_view(), (features,), strict=True)
+    encode = torch.export.export(encode_as_forward(whisper), (features,), strict=True)
     decode = torch.export.export(
         whisper, (tokens, torch.arange(5)), dynamic_shapes=({1: seq}, {0: seq}), strict=True
     )

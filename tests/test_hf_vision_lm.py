@@ -23,6 +23,7 @@ from transformers import (
 
 from exporter.config import to_job
 from exporter.errors import ConfigError
+from exporter.models.bundle import encode_as_forward
 from exporter.models.hf_vision_lm import VisionLanguageCacheLM, blobs, declare_vision_lm
 from runtimes import pixels, run
 from tests.conftest import composed, job_in_process
@@ -94,7 +95,7 @@ def test_both_methods_export_and_the_decoder_reads_what_encode_wrote() -> None:
     image = blobs(0, 32, 3)
     tokens = torch.tensor([[5, *[IMAGE_TOKEN] * ROWS]])
     seq = torch.export.Dim("seq", min=1, max=16)
-    encode = torch.export.export(vlm.encoder_view(), (image,), strict=True)
+    encode = torch.export.export(encode_as_forward(vlm), (image,), strict=True)
     decode = torch.export.export(
         vlm, (tokens, torch.arange(5)), dynamic_shapes=({1: seq}, {0: seq}), strict=True
     )

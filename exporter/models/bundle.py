@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,6 +58,16 @@ class Encoding:
     placeholders: tuple[int, ...] = ()
 
 
+def encode_as_forward(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its `encode` method as its forward, over the same parameters and buffers
+    under the same names: what torch.export takes for the encode method (Encoding.module), so
+    that the two programs name their shared state alike."""
+    kind = type(module)
+    view = copy.copy(module)
+    view.__class__ = type(f"{kind.__name__}Encode", (kind,), {"forward": kind.encode})
+    return view
+
+
 @dataclass(frozen=True)
 class Decoder:
     """What a causal LM exported with a static KV cache tells the stages after it: the cache's
@@ -76,6 +87,7 @@ class Decoder:
     # The module's buffers that hold the cache: state the program writes as it runs, not
     # weights (the weights audit skips them). The program cannot say: torch.export keeps the
     # cache's writes in place (index_copy_), and its signature lists no buffer mutation.
+    # declare_cached fills it in with the module's own buffers.
     cache_buffers: tuple[str, ...] = ()
     # Encoded once per session before its tokens (the sessions' `encoded`), and the oracle's
     # `uncached(tokens, encoded)` reads it too; None: a decoder of tokens alone.

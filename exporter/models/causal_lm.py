@@ -132,8 +132,6 @@ def declare_causal_lm(
             uncached=LogitsOnly(model).eval(),
             bos_id=model.config.bos_token_id,
             eos_ids=eos_ids(model),
-            # StaticCacheLM's own buffers are its cache's, per layer: keys, values, fill count.
-            cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
         ),
     )
@@ -142,8 +140,12 @@ def declare_causal_lm(
 def declare_cached(module: torch.nn.Module, decoder: Decoder) -> ModelDeclaration:
     """A decoder with a static cache of `decoder.max_cache_len` slots as every stage sees it:
     token ids and their cache positions in (a prefill from position 0 where export draws
-    them), logits out, `seq` their one dim."""
+    them), logits out, `seq` their one dim. The module's own buffers are its state (the cache,
+    and what an encode method writes): Decoder.cache_buffers."""
     vocab_size = decoder.vocab_size
+    decoder = dataclasses.replace(
+        decoder, cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False))
+    )
 
     def make_prefill(sizes: Mapping[str, int], seed: int) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(seed)

@@ -19,10 +19,7 @@ import torch
 from transformers import AutoImageProcessor, PreTrainedModel
 
 from exporter.models.bundle import ModelDeclaration
-from runtimes.classification import LABELS_FILE
-
-# What save_pretrained() writes of an image processor, which from_pretrained() reads.
-PROCESSOR_FILE = "preprocessor_config.json"
+from runtimes.classification import LABELS_FILE, PROCESSOR_FILE
 
 
 class ClassLogits(torch.nn.Module):

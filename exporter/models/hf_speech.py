@@ -12,7 +12,6 @@ file into them (runtimes/audio.py): features of audio's own range and structure,
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import WhisperForConditionalGeneration
 
 from exporter.errors import ConfigError
-from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
+from exporter.models.bundle import Decoder, Encoding, ModelDeclaration, encode_as_forward
 from exporter.models.causal_lm import declare_cached, eos_ids
 from runtimes import audio
 
@@ -59,14 +58,6 @@ class WhisperCacheLM(torch.nn.Module):
                 self.register_buffer(
                     f"{name}_{layer}", torch.zeros(shape, dtype=dtype), persistent=False
                 )
-
-    def encoder_view(self) -> torch.nn.Module:
-        """This module with `encode` as its forward, over the same parameters and buffers under
-        the same names: what torch.export takes for the encode method, so that both programs
-        name their shared state alike."""
-        view = copy.copy(self)
-        view.__class__ = _EncodeView
-        return view
 
     def _split(self, states: torch.Tensor) -> torch.Tensor:
         return states.view(1, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -115,10 +106,6 @@ class WhisperCacheLM(torch.nn.Module):
             normed = layer.final_layer_norm(hidden)
             hidden = hidden + layer.fc2(layer.activation_fn(layer.fc1(normed)))
         return self.model.proj_out(decoder.layer_norm(hidden))
-
-
-class _EncodeView(WhisperCacheLM):
-    forward = WhisperCacheLM.encode
 
 
 class WhisperLogits(torch.nn.Module):
@@ -199,10 +186,9 @@ def declare_speech_recognizer(
             uncached=WhisperLogits(model).eval(),
             bos_id=config.decoder_start_token_id,
             eos_ids=eos_ids(model),
-            cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
             encoding=Encoding(
-                module.encoder_view(),
+                encode_as_forward(module),
                 "input_features",
                 clip_shape,
                 make_clip,

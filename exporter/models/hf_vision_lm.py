@@ -11,7 +11,6 @@ after its processor's normalization, not noise.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import shutil
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from transformers import PreTrainedModel
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
 from exporter.errors import ConfigError
-from exporter.models.bundle import Decoder, Encoding, ModelDeclaration
+from exporter.models.bundle import Decoder, Encoding, ModelDeclaration, encode_as_forward
 from exporter.models.causal_lm import StaticCacheLM, declare_cached, eos_ids
-from runtimes import pixels
+from runtimes.classification import PROCESSOR_FILE
 
 # A session's image: a field of this many smooth blobs of colour.
 _BLOBS = 4
@@ -46,13 +45,6 @@ class VisionLanguageCacheLM(StaticCacheLM):
             "image_features", torch.zeros(rows, hidden, dtype=model.dtype), persistent=False
         )
         self.register_buffer("image_rows_read", torch.zeros(1, dtype=torch.long), persistent=False)
-
-    def encoder_view(self) -> torch.nn.Module:
-        """This module with `encode` as its forward, over the same parameters and buffers under
-        the same names (as WhisperCacheLM.encoder_view)."""
-        view = copy.copy(self)
-        view.__class__ = _EncodeView
-        return view
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The features of one image [1, channels, size, size], normalized as the checkpoint's
@@ -80,10 +72,6 @@ class VisionLanguageCacheLM(StaticCacheLM):
         return TorchExportableModuleWithStaticCache.forward(
             self, inputs_embeds=embedded, cache_position=cache_position
         )
-
-
-class _EncodeView(VisionLanguageCacheLM):
-    forward = VisionLanguageCacheLM.encode
 
 
 class VisionLanguageLogits(torch.nn.Module):
@@ -161,10 +149,9 @@ def declare_vision_lm(
             uncached=VisionLanguageLogits(model).eval(),
             bos_id=bos,
             eos_ids=eos_ids(model),
-            cache_buffers=tuple(name for name, _ in module.named_buffers(recurse=False)),
             tokenizer=tokenizer,
             encoding=Encoding(
-                module.encoder_view(),
+                encode_as_forward(module),
                 "pixel_values",
                 image_shape,
                 lambda seed: blobs(seed, vision.image_size, vision.num_channels),
@@ -173,7 +160,7 @@ def declare_vision_lm(
             ),
         ),
     )
-    settings = checkpoint / pixels.PROCESSOR_FILE
+    settings = checkpoint / PROCESSOR_FILE
     if not settings.is_file():
         return declaration
 
