@@ -8,7 +8,8 @@ over the memory floor of its package (the time to read its bytes at the card's p
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
         --variants project no_decode_step fused_projections --quantize none int4_weight
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
-        dynamic.seq.max=1024 --slots 2048 --variants project --prefills 128 1024
+        dynamic.seq.max=1024 --slots 2048 --variants project --prefills 128 1024 --eager \\
+        --max-prefill 1024
 
 `project` is the package the backend makes (exporter/backends/aoti.py: the program, and its
 decode step compiled apart where `backend.decode_step`'s default makes it). Every other variant
@@ -146,11 +147,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/aoti-options"))
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument(
+        "--eager", action="store_true", help="time the float program in eager PyTorch too"
+    )
+    parser.add_argument(
         "--prefills",
         type=int,
         nargs="+",
         default=[1],
         help="prompt lengths timed beside the decode steps (each within dynamic.seq.max)",
+    )
+    parser.add_argument(
+        "--max-prefill",
+        type=int,
+        default=1,
+        help="the longest prefill filling the cache before a decode step (<= dynamic.seq.max)",
     )
     parser.add_argument(
         "--quantize", nargs="+", default=["none"], help="quantize schemes, each exported apart"
@@ -200,7 +210,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # which only the aoti lowering for CUDA replaces.
     compiled_too = float_program is not None and not args.no_compile
     contenders = [*packages, f"compiled=compile:{float_program}"] if compiled_too else packages
-    timing = ["--slots", str(args.slots), "--max-prefill", "1", "--device", "cuda"]
+    if args.eager and float_program is not None:
+        contenders = [*contenders, f"eager={float_program}"]
+    timing = [
+        "--slots",
+        str(args.slots),
+        "--max-prefill",
+        str(args.max_prefill),
+        "--device",
+        "cuda",
+    ]
     timing += ["--prefills", *map(str, args.prefills)]
     return kv_decode.main([*contenders, *timing, "--rounds", str(args.rounds)])
 
