@@ -4,8 +4,9 @@ rewrite of a program for CUDA. Both compute (u - 8) * s + z from the same scales
 [in // group, out, 2], so a program of the CPU's kernel (the packed layers of
 exporter/quantize/packed.py) computes what it did with CUDA's, each weight repacked into CUDA's
 tiles: its 4-bit weights read as 4 bits, where a dequantize-then-matmul reads the codes and then
-the whole weight at bfloat16. AOTInductor's lowering for CUDA compiles the rewritten program;
-eager PyTorch on CUDA (runtimes/loaders/eager.py) runs it.
+the whole weight at bfloat16. AOTInductor's lowering for CUDA compiles the rewritten program
+(a package with a decode step gives its prompts to cuBLAS: `prompts_through_cublas`); eager
+PyTorch on CUDA (runtimes/loaders/eager.py) runs it.
 """
 
 from __future__ import annotations
@@ -105,11 +106,6 @@ def _cuda_tiles(cols: int) -> int:
     return next(tiles for tiles in (8, 4, 2) if cols % (16 * tiles) == 0)
 
 
-def computes_with_int4_kernel(program: ExportedProgram) -> bool:
-    """Whether `program` calls either device's int4 kernel."""
-    return any(node.target in (_CPU_KERNEL, _CUDA_KERNEL) for node in program.graph.nodes)
-
-
 def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
     """`program` (its weights on the CUDA device) with every call of the CPU's kernel made one of
     CUDA's; the program itself where it has none. A weight the CPU kernel alone reads is
@@ -146,6 +142,44 @@ def program_for_cuda(program: ExportedProgram) -> ExportedProgram:
     graph_module.recompile()
     new_signature = type(signature)(input_specs=specs, output_specs=signature.output_specs)
     return program._update(graph_module, new_signature, state_dict=state)
+
+
+def prompts_through_cublas(program: ExportedProgram) -> ExportedProgram:
+    """`program` (rewritten for CUDA) with each call of CUDA's int4 kernel made the weight's
+    dequantization (`dequantized_from_tiles`, which Inductor compiles into one kernel) and a
+    bfloat16 matmul (cuBLAS): tinygemm computes tiles of 16 rows, and a prompt of 128 or more
+    rows takes it 3.4 to 18.5 times as long on an H200 (docs/backends.md). One row is tinygemm's
+    best case, so the package's decode step keeps it. The weights stay as they were, the same
+    tensors; a program without the kernel is returned as it is."""
+    if not any(node.target is _CUDA_KERNEL for node in program.graph.nodes):
+        return program
+    return program.run_decompositions({_CUDA_KERNEL: _dequantized_matmul})
+
+
+def _dequantized_matmul(
+    x: torch.Tensor, tiles: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    return x @ dequantized_from_tiles(tiles, group, scales_and_zeros).t()
+
+
+def dequantized_from_tiles(
+    tiles: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """(u - 8) * s + z [out, in] in bfloat16 of a weight in CUDA's tiles, in plain ops (shifts, a
+    permutation): the inverse of `_tile_sources`'s placement. Nibble 4h + c of the int32 of lane
+    4a + b and pair p of row tile r and k-tile t is the code of row 8r + a and column
+    32 (t * pairs + p) + 8c + 2b + h."""
+    row_tiles, k_tiles, _, pairs = tiles.shape
+    rows, cols = row_tiles * 8, k_tiles * pairs * 32
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tiles.device)
+    nibbles = (tiles.unsqueeze(-1) >> shifts) & 0x0F
+    codes = (
+        nibbles.view(row_tiles, k_tiles, 8, 4, pairs, 2, 4)
+        .permute(0, 2, 1, 4, 6, 3, 5)
+        .reshape(rows, cols // group, group)
+    )
+    scale, zero = (t.t().float().unsqueeze(-1) for t in scales_and_zeros.unbind(-1))
+    return ((codes.float() - 8.0) * scale + zero).to(torch.bfloat16).view(rows, cols)
 
 
 def buffer_before(

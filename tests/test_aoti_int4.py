@@ -16,7 +16,7 @@ import torch
 from exporter import config, models, quantize
 from exporter.audit.matching import Constant, Form, audit_constants, forms
 from exporter.errors import ConfigError
-from exporter.quantize.packed import PackedEmbedding, PackedLinear
+from exporter.quantize.packed import PackedEmbedding, PackedLinear, dequantized
 from runtimes import int4_kernels
 
 TINY = ("model=llama", "model.num_hidden_layers=1", "dynamic.seq.max=16")
@@ -101,6 +101,26 @@ def _bytes(value: torch.Tensor) -> memoryview:
 def test_a_program_without_int4_calls_is_lowered_as_it_is() -> None:
     program = torch.export.export(torch.nn.Linear(4, 4), (torch.ones(1, 4),))
     assert int4_kernels.program_for_cuda(program) is program
+    assert int4_kernels.prompts_through_cublas(program) is program
+
+
+def test_prompts_through_cublas_dequantize_each_weight_and_compute_what_the_kernel_does() -> None:
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    seq = {1: torch.export.Dim("seq", min=1, max=8)}
+    program = torch.export.export(TiedLM().eval(), (ids,), dynamic_shapes=(seq,))
+    lowered = int4_kernels.program_for_cuda(program)
+    prompts = int4_kernels.prompts_through_cublas(lowered)
+    targets = [node.target for node in prompts.graph.nodes]
+    assert CUDA_KERNEL not in targets and CPU_KERNEL not in targets
+    # The weights are the lowered program's own tensors: the package stores them once for the
+    # decode step (which keeps the kernel) and the program.
+    assert prompts.state_dict.keys() == lowered.state_dict.keys()
+    assert all(prompts.state_dict[n] is lowered.state_dict[n] for n in lowered.state_dict)
+    # Runnable on the CPU, unlike CUDA's kernel: the CPU kernel's logits to a bfloat16 rounding.
+    expected = program.module()(ids)
+    found = prompts.module()(ids)
+    assert found.shape == expected.shape == (1, 5, 256)
+    assert (found - expected).abs().max() < expected.abs().max() * 2**-6
 
 
 def test_int4_weight_on_aoti_is_the_int4_kernel_where_it_takes_the_layer() -> None:
@@ -195,6 +215,17 @@ def test_the_audit_ties_cuda_tiles_to_the_cpu_packing_and_unpacks_a_changed_code
     assert int((unstored != cpu_packing).sum()) == 1
 
 
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_cuda_tiles_dequantize_in_plain_ops_to_the_cpu_packings_weight(rows: int, cols: int):
+    cpu_packing = _cpu_packing(rows, cols)
+    scales_and_zeros = (torch.randn(cols // 32, rows, 2) * 0.01).bfloat16()
+    found = int4_kernels.dequantized_from_tiles(
+        int4_kernels.for_cuda(cpu_packing), 32, scales_and_zeros
+    )
+    assert found.dtype == torch.bfloat16 and found.shape == (rows, cols)
+    assert torch.equal(found, dequantized(cpu_packing, scales_and_zeros).bfloat16())
+
+
 @needs_cuda
 @pytest.mark.parametrize(("rows", "cols"), SHAPES)
 def test_our_placement_of_the_codes_is_cudas_own_packing(rows: int, cols: int) -> None:
@@ -220,3 +251,19 @@ def test_the_cuda_kernel_computes_what_the_cpu_kernel_does() -> None:
     scale = exact.abs().max().item()
     assert (on_cuda.cpu().double() - exact).abs().max() < scale * 2**-7
     assert (on_cpu.double() - exact).abs().max() < scale * 2**-7
+
+
+@needs_cuda
+def test_the_cuda_kernels_weight_dequantized_in_plain_ops_computes_what_the_kernel_does() -> None:
+    torch.manual_seed(0)
+    plane = PackedLinear.from_float(torch.randn(256, 512), 4, 32).planes[0]
+    x = torch.randn(130, 512, dtype=torch.bfloat16, device="cuda")
+    tiles = int4_kernels.for_cuda(plane.packed.cuda())
+    scales_and_zeros = plane.scales_and_zeros.cuda()
+    kernel = CUDA_KERNEL(x, tiles, plane.group, scales_and_zeros)
+    dequantized_weight = int4_kernels.dequantized_from_tiles(tiles, plane.group, scales_and_zeros)
+    found = x @ dequantized_weight.t()
+    exact = x.double() @ plane.dequantized(dtype=torch.float64).T.cuda()
+    scale = exact.abs().max().item()
+    assert (found.double() - exact).abs().max() < scale * 2**-7
+    assert (kernel.double() - exact).abs().max() < scale * 2**-7

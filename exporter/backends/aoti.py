@@ -4,14 +4,15 @@ package of native code (C++ on the CPU, Triton kernels on CUDA) that `aoti_load_
 Inductor compiles every op of the program, data-dependent ones included (nonzero's count becomes
 a runtime size), so nothing is partitioned and nothing falls back.
 
-A program with a KV cache whose smallest call is one token is compiled twice into one package
-on CUDA (`backend.decode_step`; not where it computes with the int4 kernel): as exported, and
-for that call, its seq dim static, as the package's `decode_step` model, which runs every decode
-step. Its matmuls of one row are then Inductor's own reductions, fused with the norms and
-activations around them, where a symbolic row count leaves them to cuBLAS: on an H200, a 4-layer
-Llama-3.2-1B-shaped decode step went from 72 kernels to 47 and from 0.520 to 0.436 ms
-(docs/backends.md). Both models read the same weights and cache: the package keeps one copy,
-and the loader hands the same tensors to both.
+A program with a KV cache whose smallest call is one token is compiled twice into one package on
+CUDA (`backend.decode_step`): as exported, and for that call, its seq dim static, as the package's
+`decode_step` model, which runs every decode step. Its matmuls of one row are then Inductor's own
+reductions, fused with the norms and activations around them, where a symbolic row count leaves them
+to cuBLAS: on an H200, a 4-layer Llama-3.2-1B-shaped decode step went from 72 kernels to 47 and from
+0.520 to 0.436 ms (docs/backends.md). Both models read the same weights and cache: the package keeps
+one copy, and the loader hands the same tensors to both. With int4 weights, the decode step computes
+its matmuls of one row with CUDA's int4 kernel, and the program its prompts' with cuBLAS, each
+weight dequantized first: the int4 kernel takes 3.4 to 18.5 times as long over 128 rows or more.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class AotiConfig(BackendConfig):
     rtol: float = 1.0e-3
     device: str = "cpu"
     # The one-token call of a program with a KV cache compiled apart (the module docstring):
-    # null where it was measured to pay (on CUDA, without the int4 kernel); true or false
+    # null where it was measured to pay (on CUDA); true or false
     # wherever the program has a KV cache and one-token calls.
     decode_step: bool | None = None
 
@@ -141,7 +142,9 @@ def compile_package(
     `options` beyond the backend's own: moved to the device (CUDA's int4 kernel for the CPU's),
     and with its decode step where `compiles_decode_step` says and the program has a one-token
     call (`one_token`, one_token_call's inputs); with its decoder's `encode` method, where it
-    has one, as a model of the package that shares the program's state."""
+    has one, as a model of the package that shares the program's state. A package with a decode
+    step computes its prompts' int4 matmuls by cuBLAS, its decode steps' by CUDA's int4 kernel
+    (`int4_kernels.prompts_through_cublas`)."""
     from torch.export.passes import move_to_device_pass
 
     from exporter.backends.common import torch_device
@@ -154,7 +157,7 @@ def compile_package(
     if encode is not None:
         encode = sharing_state(encode, program)
     decode_step = None
-    if compiles_decode_step(config, program):
+    if compiles_decode_step(config):
         if one_token is None:
             if config.decode_step:
                 log.warning(
@@ -169,6 +172,7 @@ def compile_package(
             )
             on_device = tuple(x.to(device) for x in one_token)
             decode_step = decode_step_program(program, on_device)
+            program = int4_kernels.prompts_through_cublas(program)
     package(program, path, decode_step, options, encode)
 
 
@@ -231,17 +235,15 @@ def package(
     package_aoti(str(path), compiled)
 
 
-def compiles_decode_step(config: AotiConfig, program: ExportedProgram) -> bool:
+def compiles_decode_step(config: AotiConfig) -> bool:
     """`backend.decode_step`, or where it is null, where the decode step was measured to pay: on
-    CUDA, for a program that does not compute with PyTorch's int4 kernel. On an H200, a 4-layer
-    Llama-3.2-1B-shaped package's decode step took 0.436 ms with it against 0.520 in bfloat16,
-    but 0.505 against 0.468 with int4_weight: its own fusions around the int4 kernel cost more
-    than they saved (docs/backends.md). On the CPU it changed nothing (1.00x, llama_45m)."""
-    from runtimes import int4_kernels
-
+    CUDA. On an H200, a 4-layer Llama-3.2-1B-shaped package's decode step took 0.436 ms with it
+    against 0.520 in bfloat16. With int4_weight it decodes in the time the package without it
+    does (1.197 against 1.199 ms at full size), and it lets the package's prompts run on cuBLAS
+    (docs/backends.md). On the CPU it changed nothing (1.00x, llama_45m)."""
     if config.decode_step is not None:
         return config.decode_step
-    return config.device != "cpu" and not int4_kernels.computes_with_int4_kernel(program)
+    return config.device != "cpu"
 
 
 def one_token_call(exported: Exported) -> tuple[torch.Tensor, ...] | None:
