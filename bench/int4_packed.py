@@ -7,7 +7,8 @@ now), per weight shape of a 1B Llama (q/k/v and gate/up fused too):
   matmul under the decode step's options (one reduction that reads the codes, the RMS norm
   fused before it); a split-K Triton GEMV that reads the packing (`packed_gemv`), at the best
   of a sweep;
-- a prompt of 128 and 1024 rows: tinygemm; the weight dequantized by Inductor, then cuBLAS.
+- a prompt of 128 and 1024 rows (`--prompts`): tinygemm; the weight dequantized by Inductor,
+  then cuBLAS.
 
 Each call is timed inside a CUDA graph whose calls read copies of the weight that together
 overflow the L2 cache, as a step of the model reads them (bench/gemv.py).
@@ -18,6 +19,7 @@ so the package's decode step keeps tinygemm and its prompts go to cuBLAS
 (`runtimes.int4_kernels.prompts_through_cublas`).
 
     python bench/int4_packed.py
+    python bench/int4_packed.py --shapes 2048x2048 128256x2048 --prompts 2 4 8 16 32 64
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def _decode_step_compiled(fn: Callable) -> Callable:
         return torch.compile(fn, dynamic=False)
 
 
-def timed(shape: str, replays: int) -> list[list[str]]:
+def timed(shape: str, prompts: Sequence[int], replays: int) -> list[list[str]]:
     """A row per way of computing a matmul of `shape` ("OUTxIN"): rows of x, what, us, TB/s of
     the weight's bytes, largest difference from tinygemm's product."""
     rows, cols = map(int, shape.split("x"))
@@ -185,7 +187,7 @@ def timed(shape: str, replays: int) -> list[list[str]]:
             best = (us, f"Triton GEMV, {slices} slices, {groups} groups, {warps} warps", gemv(0))
     found.append(row(1, best[1], best[0], best[2]))
     dequantize = _decode_step_compiled(dequantized)
-    for m in PROMPTS:
+    for m in prompts:
         prompt = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
         us = graphed_us(each(lambda i, p=prompt: tinygemm(i, p)), max(3, replays // 2))
         found.append(row(m, "tinygemm", us, None))
@@ -200,6 +202,7 @@ def timed(shape: str, replays: int) -> list[list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN")
+    parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS), help="rows")
     parser.add_argument("--replays", type=int, default=15)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -209,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     headers = ["weight", "rows", "matmul", "us", "TB/s", "max diff"]
     found = []
     for shape in args.shapes:
-        found += timed(shape, args.replays)
-        print(tabulate(found[-7:], disable_numparse=True), flush=True)
+        found += timed(shape, args.prompts, args.replays)
+        print(tabulate(found[-3 - 2 * len(args.prompts) :], disable_numparse=True), flush=True)
     print(tabulate(found, headers=headers, disable_numparse=True))
     return 0
 
