@@ -51,15 +51,14 @@ def for_cuda(packed: torch.Tensor) -> torch.Tensor:
     """A weight in the CPU kernel's packing [out, in // 2] in CUDA's: int32 tiles
     [out // 8, in // (16 * tiles), 32, tiles // 2], tiles the widest of 8, 4, 2 that divides the
     row (wider tiles: fewer, longer loads; 8 was fastest on an H200). On a CUDA device by CUDA's
-    own packing; elsewhere by the same placement of each code (`_tile_sources`)."""
+    own packing; elsewhere by the same placement of each code (`_tiles_from_rows`)."""
     codes = codes_of(packed)
     if packed.is_cuda:
         plain = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
         return torch.ops.aten._convert_weight_to_int4pack(plain, _cuda_tiles(codes.shape[1]))
-    rows, cols = codes.shape
-    nibbles = codes.reshape(-1)[_tile_sources(rows, cols)]
+    nibbles = _tiles_from_rows(codes)
     raw = nibbles[0::2] | (nibbles[1::2] << 4)
-    return raw.view(torch.int32).view(cuda_shape(rows, cols))
+    return raw.view(torch.int32).view(cuda_shape(*codes.shape))
 
 
 def cuda_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
@@ -70,30 +69,35 @@ def cuda_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
 
 def from_cuda(stored: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """`for_cuda`'s tiles (any device) back in the CPU kernel's packing, on the CPU."""
-    codes = torch.empty(rows * cols, dtype=torch.uint8)
-    codes[_tile_sources(rows, cols)] = _nibbles(stored.cpu())
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        codes.view(rows, cols).to(torch.int32), 1
-    )
+    codes = _rows_from_tiles(_nibbles(stored.cpu()), rows, cols)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
-def _tile_sources(rows: int, cols: int) -> torch.Tensor:
-    """For each 4-bit value of CUDA's tiles in memory order (the low nibble of a byte first),
-    the index of the code [rows, cols] (row-major) it holds. CUDA's packing
-    (`_convert_weight_to_int4pack`, aten/src/ATen/native/cuda/int4mm.cu): lane t of a tile of
-    8 rows and two k-tiles of 16 codes takes the bytes (two codes each, the even column in the
-    high nibble) at t % 4 + 0, 4, 8 and 12 of row t // 4, and lays them in one int32, their
-    high nibbles in its low 16 bits, their low nibbles in its high 16 bits."""
-    tiles = _cuda_tiles(cols)
-    row_tile = torch.arange(rows // 8).view(-1, 1, 1, 1, 1)
-    k_tile = torch.arange(cols // (16 * tiles)).view(1, -1, 1, 1, 1)
-    lane = torch.arange(32).view(1, 1, -1, 1, 1)
-    pair = torch.arange(tiles // 2).view(1, 1, 1, -1, 1)
-    nibble = torch.arange(8).view(1, 1, 1, 1, -1)
-    row = row_tile * 8 + lane // 4
-    byte = (k_tile * tiles + pair * 2) * 8 + lane % 4 + 4 * (nibble % 4)
-    col = 2 * byte + (nibble >= 4).to(torch.int64)
-    return (row * cols + col).reshape(-1)
+# CUDA's packing (`_convert_weight_to_int4pack`, aten/src/ATen/native/cuda/int4mm.cu): lane
+# t of a tile of 8 rows and two k-tiles of 16 codes takes the bytes (two codes each, the even
+# column in the high nibble) at t % 4 + 0, 4, 8 and 12 of row t // 4, and lays them in one int32,
+# their high nibbles in its low 16 bits, their low nibbles in its high 16 bits. So the tiles'
+# 4-bit values in memory order, viewed as [row tile r, k-tile t, a, b, pair p, h, c] (lane
+# 4a + b, nibble 4h + c of its int32), hold the code of row 8r + a and column
+# 32 (t * pairs + p) + 8c + 2b + h: the codes [rows, cols] viewed as [r, a, t, p, c, b, h].
+_ROWS_FROM_TILES = (0, 2, 1, 4, 6, 3, 5)
+_TILES_FROM_ROWS = (0, 2, 1, 5, 3, 6, 4)
+
+
+def _rows_from_tiles(nibbles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The codes [rows, cols] of CUDA's tiles given as their 4-bit values in memory order (any
+    leading shape that holds them so), in plain ops that Inductor compiles."""
+    pairs = _cuda_tiles(cols) // 2
+    tiled = nibbles.reshape(rows // 8, cols // (32 * pairs), 8, 4, pairs, 2, 4)
+    return tiled.permute(_ROWS_FROM_TILES).reshape(rows, cols)
+
+
+def _tiles_from_rows(codes: torch.Tensor) -> torch.Tensor:
+    """The codes [rows, cols] as CUDA's tiles' 4-bit values in memory order (flat)."""
+    rows, cols = codes.shape
+    pairs = _cuda_tiles(cols) // 2
+    placed = codes.reshape(rows // 8, 8, cols // (32 * pairs), pairs, 4, 4, 2)
+    return placed.permute(_TILES_FROM_ROWS).reshape(-1)
 
 
 def _nibbles(tiles: torch.Tensor) -> torch.Tensor:
@@ -166,18 +170,12 @@ def dequantized_from_tiles(
     tiles: torch.Tensor, group: int, scales_and_zeros: torch.Tensor
 ) -> torch.Tensor:
     """(u - 8) * s + z [out, in] in bfloat16 of a weight in CUDA's tiles, in plain ops (shifts, a
-    permutation): the inverse of `_tile_sources`'s placement. Nibble 4h + c of the int32 of lane
-    4a + b and pair p of row tile r and k-tile t is the code of row 8r + a and column
-    32 (t * pairs + p) + 8c + 2b + h."""
+    permutation: `_rows_from_tiles`)."""
     row_tiles, k_tiles, _, pairs = tiles.shape
     rows, cols = row_tiles * 8, k_tiles * pairs * 32
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tiles.device)
     nibbles = (tiles.unsqueeze(-1) >> shifts) & 0x0F
-    codes = (
-        nibbles.view(row_tiles, k_tiles, 8, 4, pairs, 2, 4)
-        .permute(0, 2, 1, 4, 6, 3, 5)
-        .reshape(rows, cols // group, group)
-    )
+    codes = _rows_from_tiles(nibbles, rows, cols).view(rows, cols // group, group)
     scale, zero = (t.t().float().unsqueeze(-1) for t in scales_and_zeros.unbind(-1))
     return ((codes.float() - 8.0) * scale + zero).to(torch.bfloat16).view(rows, cols)
 
