@@ -12,15 +12,15 @@ PyTorch on CUDA (runtimes/loaders/eager.py) runs it.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-# The CPU packing lays out rows in blocks of 64 (the two nibbles of a byte are rows j and j + 32
-# of a block, and the bytes of a block run along K).
+# Rows of a weight the kernels take come in whole blocks of this many: each CPU packing's block
+# divides it (`cpu_packing`), and so do CUDA's tiles of 8 rows.
 ROW_BLOCK = 64
-_HALF_BLOCK = ROW_BLOCK // 2
 # The name of a weight repacked for CUDA beside the CPU packing it came from, where the program
 # still reads that packing (an output projection's exact rows, a tied embedding's lookup).
 CUDA_SUFFIX = "_for_cuda"
@@ -33,18 +33,81 @@ def holds(rows: int, cols: int) -> bool:
     return rows % ROW_BLOCK == 0 and cols % 32 == 0
 
 
+@dataclass(frozen=True)
+class CpuPacking:
+    """How the CPU kernel packs codes on this machine, which depends on the CPU's vector width
+    (PyTorch's aten/src/ATen/native/cpu/int4mm_kernel.cpp): rows in blocks of `block`, a
+    block's bytes running along K, `block // 2` bytes a column; byte j of a column holds rows j
+    and j + block // 2 of the block (`halves`: AVX512, blocks of 64; AVX2, blocks of 32) or
+    rows 2j and 2j + 1 (without vector instructions, blocks of 32), the first in the low
+    nibble. A weight packed on a machine of one packing computes garbage on another."""
+
+    name: str
+    block: int
+    halves: bool
+
+
+def cpu_packing() -> CpuPacking:
+    """This machine's packing (`CPU_PACKING`); RuntimeError where it is none of the forms above."""
+    if CPU_PACKING is None:
+        raise RuntimeError(
+            "PyTorch's int4 kernel packs codes on this CPU "
+            f"({torch.backends.cpu.get_cpu_capability()}) in a layout this project does not "
+            "read; int4_weight needs a CPU with AVX512, AVX2 or no vector unit"
+        )
+    return CPU_PACKING
+
+
+def _packing_read() -> CpuPacking | None:
+    """The packing, read from what the kernel makes of probe codes that say their own row and
+    column; None where it is none of the forms `CpuPacking` describes."""
+    rows, cols = 4 * ROW_BLOCK, 2
+    row = torch.arange(rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols)
+    col = torch.arange(cols, dtype=torch.int32).expand(rows, cols)
+    probes = [row & 0x0F, row >> 4 & 0x0F, col]
+    low, high, col_at = (_nibbles(_cpu_packed(codes)).long() for codes in probes)
+    row_at = low + 16 * high
+    block = int((col_at != 0).nonzero()[0, 0])
+    for halves in (True, False):
+        packing = CpuPacking(torch.backends.cpu.get_cpu_capability(), block, halves)
+        fits = block > 0 and ROW_BLOCK % block == 0
+        if fits and torch.equal(_probe_rows(packing, rows, cols), row_at):
+            return packing
+    return None
+
+
+def _probe_rows(packing: CpuPacking, rows: int, cols: int) -> torch.Tensor:
+    """The row of each 4-bit value of a packed [rows, cols] weight, in memory order, were it
+    packed as `packing` says."""
+    half = packing.block // 2
+    nibble = torch.arange(2).view(1, 1, 1, 2)
+    byte = torch.arange(half).view(1, 1, half, 1)
+    start = (torch.arange(rows // packing.block) * packing.block).view(-1, 1, 1, 1)
+    within = nibble * half + byte if packing.halves else 2 * byte + nibble
+    return (start + within).expand(-1, cols, -1, -1).reshape(-1)
+
+
 def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The codes u [rows, in] of a weight in the kernel's packing [out, in // 2] (every row, or
-    the rows `rows`)."""
+    the rows `rows`), as this machine packs (`cpu_packing`)."""
     out, half = packed.shape
     cols = half * 2
     if rows is None:
         rows = torch.arange(out, device=packed.device)
-    blocks = packed.view(out // ROW_BLOCK, cols, _HALF_BLOCK)
-    within = rows % ROW_BLOCK
-    found = blocks[torch.div(rows, ROW_BLOCK, rounding_mode="floor"), :, within % _HALF_BLOCK]
-    shift = (within >= _HALF_BLOCK).to(torch.uint8) * 4
+    packing = cpu_packing()
+    blocks = packed.view(out // packing.block, cols, packing.block // 2)
+    within = rows % packing.block
+    if packing.halves:
+        byte, high = within % (packing.block // 2), within >= packing.block // 2
+    else:
+        byte, high = torch.div(within, 2, rounding_mode="floor"), within % 2 == 1
+    found = blocks[torch.div(rows, packing.block, rounding_mode="floor"), :, byte]
+    shift = high.to(torch.uint8) * 4
     return (found >> shift.unsqueeze(-1)) & 0x0F
+
+
+def _cpu_packed(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
 def for_cuda(packed: torch.Tensor) -> torch.Tensor:
@@ -203,3 +266,8 @@ def buffer_before(
 def _fake_like(node: torch.fx.Node, value: torch.Tensor) -> torch.Tensor:
     """`value` as a fake tensor of the program's fake mode (the one `node`'s value is of)."""
     return node.meta["val"].fake_mode.from_tensor(value, static_shapes=True)
+
+
+# Read once, when this module is imported: outside any tracing of a program (codes_of runs
+# inside export, where a probe's data-dependent reads would not trace).
+CPU_PACKING = _packing_read()

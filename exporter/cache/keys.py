@@ -25,6 +25,7 @@ from exporter.config import (
     ModelConfig,
 )
 from exporter.models import custom
+from runtimes import int4_kernels
 from runtimes.verdict.shapes import LiveShape
 
 
@@ -40,6 +41,9 @@ def model(job: JobConfig) -> dict[str, Any]:
             "recipes": list(job.backend.quantize_recipes()),
             # int4_weight's layers: PyTorch's int4 kernel's, or torchao's.
             "int4_weight_packed": job.backend.int4_weight_packed,
+            # The codes as the CPU's int4 kernel packs them, which differs between CPUs (a cache
+            # shared by machines of two packings must not hand one the other's weights).
+            "cpu_packing": repr(int4_kernels.CPU_PACKING),
             "eval_text": _digest(job.quantize.eval_text),
             "code": code_of(["exporter.quantize"]),
         }
