@@ -1,4 +1,4 @@
-"""Inductor's options and changes of the program side by side for a KV-cache model's decode step
+"""Inductor's options and the backend's settings side by side for a KV-cache model's decode step
 through AOTInductor on CUDA: the model exported once per quantize scheme (as the job exports
 it, from Hydra overrides of the job's config), compiled once per variant, each package's kernels
 per decode step counted, and then all of them timed in one process by bench/kv_decode.py,
@@ -6,19 +6,21 @@ beside the float program under `torch.compile(mode="reduce-overhead")`, with eac
 over the memory floor of its package (the time to read its bytes at the card's peak bandwidth).
 
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
-        --variants project no_decode_step fused_projections --quantize none int4_weight
+        --variants project no_decode_step unfused_projections --quantize none int4_weight
     python bench/aoti_options.py model=llama_1b model.num_key_value_heads=32 \\
         dynamic.seq.max=1024 --slots 2048 --variants project --prefills 128 1024 --eager \\
         --max-prefill 1024
 
 `project` is the package the backend makes (exporter/backends/aoti.py: the program, and its
-decode step compiled apart where `backend.decode_step`'s default makes it). Every other variant
-is `+`-joined parts, each adding options to the backend's own (`freezing`), or changing the
-program (`fused_projections`), or making the decode step or leaving it out whatever the default
-(`decode_step`, `no_decode_step`: every call runs the program as exported, its matmuls' rows
-symbolic). The kernel census profiles one decode step run without a CUDA graph: the kernels
-and their summed time on the GPU, the largest by time. `--prefills` times prompts of those
-lengths too (bench/kv_decode.py), each within the program's `dynamic.seq.max`.
+decode step compiled apart where `backend.decode_step`'s default makes it, its int4 projections
+of one input fused where `backend.fused_projections`' does). Every other variant is `+`-joined
+parts, each adding options to the backend's own (`freezing`), or making the decode step or
+leaving it out whatever the default (`decode_step`, `no_decode_step`: every call runs the
+program as exported, its matmuls' rows symbolic), or fusing the int4 projections or not
+(`fused_projections`, `unfused_projections`). The kernel census profiles one decode step run
+without a CUDA graph: the kernels and their summed time on the GPU, the largest by time.
+`--prefills` times prompts of those lengths too (bench/kv_decode.py), each within the program's
+`dynamic.seq.max`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import kv_decode
-from bench.projection_fusion import fused_projections
 from exporter import export, models, quantize
 from exporter.backends import aoti
 from exporter.benchmark import memory_floor
@@ -64,12 +65,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     # Hopper's programmatic dependent launch: a kernel's start overlaps its predecessor's end.
     "pdl": {"triton.enable_pdl": True},
 }
-# Each variant's change of the program, with the backend's own options: projections that read
-# the same input fused into one matmul (bench/projection_fusion.py).
-PROGRAM_VARIANTS = {"fused_projections": fused_projections}
 # backend.decode_step=true and false.
 DECODE_STEP = {"decode_step": True, "no_decode_step": False}
-PARTS = (*VARIANTS, *PROGRAM_VARIANTS, *DECODE_STEP)
+# backend.fused_projections=true and false.
+FUSED_PROJECTIONS = {"fused_projections": True, "unfused_projections": False}
+PARTS = (*VARIANTS, *DECODE_STEP, *FUSED_PROJECTIONS)
 
 
 def exported_program(overrides: Sequence[str], out: Path) -> Exported:
@@ -102,10 +102,9 @@ def compiled(exported: Exported, variant: str, package: Path) -> float:
     options: dict[str, object] = {}
     backend = aoti.AotiConfig(device="cuda")
     for part in parts:
-        if part in PROGRAM_VARIANTS:
-            program = PROGRAM_VARIANTS[part](program)
         options.update(VARIANTS.get(part, {}))
         backend.decode_step = DECODE_STEP.get(part, backend.decode_step)
+        backend.fused_projections = FUSED_PROJECTIONS.get(part, backend.fused_projections)
     started = time.perf_counter()
     aoti.compile_package(program, aoti.one_token_call(exported), backend, package, options)
     return time.perf_counter() - started

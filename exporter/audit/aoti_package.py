@@ -3,7 +3,9 @@ per weight (exporter/backends/aoti.py: data/weights/, mapped by
 data/aotinductor/<model>/weights_config.json from each weight's fully qualified name to its file
 and its view: shape, stride, offset; weights that share storage share a file, across models
 too: a decode step's config names the model's files). The package's wrapper.cpp declares every
-constant its compiled code reads (`constants_info_[i].original_fqn`).
+constant its compiled code reads (`constants_info_[i].original_fqn`). A weight that holds several
+of the model's, concatenated (exporter/artifact/fused_weights.py, recorded in the models'
+metadata), is read as its parts, each under its own name.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from typing import BinaryIO
 
 import torch
 
+from exporter.artifact import fused_weights
+from exporter.artifact.fused_weights import FUSED_WEIGHTS, Fused
 from exporter.audit.matching import Constant
 
 _WEIGHTS_CONFIG = re.compile(r"(.*/)?data/aotinductor/[^/]+/weights_config\.json")
 _WRAPPER = re.compile(r"(.*/)?data/aotinductor/[^/]+/[^/]+\.wrapper\.cpp")
+_METADATA = re.compile(r"(.*/)?data/aotinductor/[^/]+/[^/]+_metadata\.json")
 _DECLARED = re.compile(r'constants_info_\[\d+\]\.original_fqn = "([^"]*)";')
 # A zip entry's local header: signature, versions, flags, method, time, date, CRC-32, sizes,
 # and the lengths of the name and the extra field that follow it.
@@ -38,19 +43,26 @@ def package_weights(path: Path) -> tuple[list[Constant], set[str], bool]:
     with path.open("rb") as raw, zipfile.ZipFile(raw) as archive:
         names = archive.namelist()
         declared: set[str] = set()
+        fused: dict[str, Fused] = {}
         for name in names:
             if _WRAPPER.fullmatch(name):
                 declared.update(_DECLARED.findall(archive.read(name).decode()))
+            if _METADATA.fullmatch(name):
+                recorded = json.loads(archive.read(name)).get(FUSED_WEIGHTS)
+                fused.update(fused_weights.from_json(recorded) if recorded else {})
         configs = [n for n in names if _WEIGHTS_CONFIG.fullmatch(n)]
         if not configs:
             return [], declared, False
-        constants = list(_weights(archive, raw, configs))
+        constants = list(_weights(archive, raw, configs, fused))
     return constants, declared, True
 
 
-def _weights(archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str]) -> Iterator[Constant]:
+def _weights(
+    archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str], fused: Mapping[str, Fused]
+) -> Iterator[Constant]:
     """Each weight once per view of a file: two models reading one weight's file as one view
-    read one weight; a model with its own copy has it checked too."""
+    read one weight; a model with its own copy has it checked too. A fused weight is its
+    parts."""
     seen: set[tuple[str, str, str]] = set()
     for config_name in configs:
         root = config_name.split("data/aotinductor/")[0]
@@ -70,15 +82,30 @@ def _weights(archive: zipfile.ZipFile, raw: BinaryIO, configs: list[str]) -> Ite
                 weights_only=True,
             )
             for fqn, (_file, shape, stride, offset) in entries:
-                view = torch.as_strided(stored.detach(), shape, stride, offset).contiguous()
-                yield Constant(
-                    where=f"package weight {file}",
-                    data=memoryview(view.reshape(-1).view(torch.uint8).numpy()),
-                    dtype=view.dtype,
-                    shape=tuple(shape),
-                    name=fqn,
-                )
+                view = torch.as_strided(stored.detach(), shape, stride, offset)
+                where = f"package weight {file}"
+                if fqn in fused:
+                    yield from _parts(view, fused[fqn], f"{where} (part of {fqn})")
+                else:
+                    yield _constant(view, where, fqn)
             del stored
+
+
+def _parts(weight: torch.Tensor, fused: Fused, where: str) -> Iterator[Constant]:
+    sizes = fused.split_sizes(weight.shape[fused.dim])
+    for (name, _), part in zip(fused.parts, weight.split(sizes, fused.dim), strict=True):
+        yield _constant(part, where, name)
+
+
+def _constant(view: torch.Tensor, where: str, name: str) -> Constant:
+    value = view.contiguous()
+    return Constant(
+        where=where,
+        data=memoryview(value.reshape(-1).view(torch.uint8).numpy()),
+        dtype=value.dtype,
+        shape=tuple(value.shape),
+        name=name,
+    )
 
 
 def _entry(archive: zipfile.ZipFile, raw: BinaryIO, name: str) -> bytes:
