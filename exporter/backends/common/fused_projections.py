@@ -90,7 +90,7 @@ def fused_projections(
         for call, part in zip(calls, split, strict=True):
             call.replace_all_uses_with(part)
             graph.erase_node(call)
-    _drop_unread(graph, specs)
+    _drop(graph, specs, {name for record in fused.values() for name, _ in record.parts})
     graph.lint()
     graph_module.recompile()
     new_signature = type(signature)(input_specs=specs, output_specs=signature.output_specs)
@@ -126,10 +126,10 @@ def _call(graph: torch.fx.Graph, target: object, args: tuple) -> torch.fx.Node:
     return node
 
 
-def _drop_unread(graph: torch.fx.Graph, specs: list[InputSpec]) -> None:
-    """The placeholders and specs of buffers that no node reads any more."""
+def _drop(graph: torch.fx.Graph, specs: list[InputSpec], names: set[str]) -> None:
+    """The placeholders and specs of the buffers `names`, which no node reads any more."""
     for node in list(graph.find_nodes(op="placeholder")):
         spec = next(s for s in specs if s.arg.name == node.name)
-        if not node.users and spec.kind is InputKind.BUFFER:
+        if spec.kind is InputKind.BUFFER and spec.target in names:
             graph.erase_node(node)
             specs.remove(spec)
