@@ -48,7 +48,8 @@ class CpuPacking:
 
 
 def cpu_packing() -> CpuPacking:
-    """This machine's packing (`CPU_PACKING`); RuntimeError where it is none of the forms above."""
+    """This machine's packing (`CPU_PACKING`); RuntimeError where it is none of the forms above
+    (blocks of 64, 32 or 16)."""
     if CPU_PACKING is None:
         raise RuntimeError(
             "PyTorch's int4 kernel packs codes on this CPU "
@@ -59,42 +60,33 @@ def cpu_packing() -> CpuPacking:
 
 
 def _packing_read() -> CpuPacking | None:
-    """The packing, read from what the kernel makes of probe codes that say their own row and
-    column; None where it is none of the forms `CpuPacking` describes."""
-    rows, cols = 4 * ROW_BLOCK, 2
-    row = torch.arange(rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols)
-    col = torch.arange(cols, dtype=torch.int32).expand(rows, cols)
-    probes = [row & 0x0F, row >> 4 & 0x0F, col]
-    low, high, col_at = (_nibbles(_cpu_packed(codes)).long() for codes in probes)
-    row_at = low + 16 * high
-    block = int((col_at != 0).nonzero()[0, 0])
-    for halves in (True, False):
-        packing = CpuPacking(torch.backends.cpu.get_cpu_capability(), block, halves)
-        fits = block > 0 and ROW_BLOCK % block == 0
-        if fits and torch.equal(_probe_rows(packing, rows, cols), row_at):
-            return packing
+    """The packing, found as the form under which `_codes_in` reads back codes that the kernel
+    packed; None where no form does."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4 * ROW_BLOCK, 2), dtype=torch.int32, generator=generator)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    capability = torch.backends.cpu.get_cpu_capability()
+    for block in (64, 32, 16):
+        for halves in (True, False):
+            packing = CpuPacking(capability, block, halves)
+            if torch.equal(_codes_in(packed, packing).to(torch.int32), codes):
+                return packing
     return None
-
-
-def _probe_rows(packing: CpuPacking, rows: int, cols: int) -> torch.Tensor:
-    """The row of each 4-bit value of a packed [rows, cols] weight, in memory order, were it
-    packed as `packing` says."""
-    half = packing.block // 2
-    nibble = torch.arange(2).view(1, 1, 1, 2)
-    byte = torch.arange(half).view(1, 1, half, 1)
-    start = (torch.arange(rows // packing.block) * packing.block).view(-1, 1, 1, 1)
-    within = nibble * half + byte if packing.halves else 2 * byte + nibble
-    return (start + within).expand(-1, cols, -1, -1).reshape(-1)
 
 
 def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The codes u [rows, in] of a weight in the kernel's packing [out, in // 2] (every row, or
     the rows `rows`), as this machine packs (`cpu_packing`)."""
+    return _codes_in(packed, cpu_packing(), rows)
+
+
+def _codes_in(
+    packed: torch.Tensor, packing: CpuPacking, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     out, half = packed.shape
     cols = half * 2
     if rows is None:
         rows = torch.arange(out, device=packed.device)
-    packing = cpu_packing()
     blocks = packed.view(out // packing.block, cols, packing.block // 2)
     within = rows % packing.block
     if packing.halves:
@@ -104,10 +96,6 @@ def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Te
     found = blocks[torch.div(rows, packing.block, rounding_mode="floor"), :, byte]
     shift = high.to(torch.uint8) * 4
     return (found >> shift.unsqueeze(-1)) & 0x0F
-
-
-def _cpu_packed(codes: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
 def for_cuda(packed: torch.Tensor) -> torch.Tensor:
@@ -269,5 +257,5 @@ def _fake_like(node: torch.fx.Node, value: torch.Tensor) -> torch.Tensor:
 
 
 # Read once, when this module is imported: outside any tracing of a program (codes_of runs
-# inside export, where a probe's data-dependent reads would not trace).
+# inside export, where the probe's comparison would not trace).
 CPU_PACKING = _packing_read()
