@@ -27,6 +27,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec
 
 from exporter.artifact.fused_weights import Fused
+from exporter.backends.common.graph_edits import Inserting
 from runtimes.int4_kernels import buffer_before
 
 _INT4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
@@ -82,11 +83,10 @@ def fused_projections(
         widths = [call.meta["val"].shape[-1] for call in calls]
         # Before the first of the calls: it reads only their input and buffers, and each call's
         # users come after that call.
-        with graph.inserting_before(calls[0]):
+        with Inserting(graph, calls[0]) as make:
             args = (calls[0].args[0], buffers[0], calls[0].args[2], buffers[1])
-            product = _call(graph, _INT4, args)
-            parts = _call(graph, _SPLIT, (product, widths, -1))
-            split = [_call(graph, operator.getitem, (parts, i)) for i in range(len(calls))]
+            parts = make(_SPLIT, make(_INT4, *args), widths, -1)
+            split = [make(operator.getitem, parts, i) for i in range(len(calls))]
         for call, part in zip(calls, split, strict=True):
             call.replace_all_uses_with(part)
             graph.erase_node(call)
@@ -114,16 +114,6 @@ def _source(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple]:
         steps.append((node.target, tuple(node.args[1:]), tuple(sorted(node.kwargs.items()))))
         node = node.args[0]
     return node, tuple(steps)
-
-
-def _call(graph: torch.fx.Graph, target: object, args: tuple) -> torch.fx.Node:
-    """A new call of `target` with its fake value, as export gives every node one."""
-    node = graph.call_function(target, args)
-    values = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
-    first = values[0][0] if isinstance(values[0], list | tuple) else values[0]
-    with first.fake_mode:
-        node.meta["val"] = target(*values)
-    return node
 
 
 def _drop(graph: torch.fx.Graph, specs: list[InputSpec], names: set[str]) -> None:

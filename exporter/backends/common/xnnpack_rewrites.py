@@ -40,12 +40,12 @@ from typing import Any
 import sympy
 import torch
 from executorch.exir.dialects._ops import ops as exir_ops
-from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.exported_program import InputKind, InputSpec, TensorArgument
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from exporter.artifact.partition import WrongKernelAvoided
+from exporter.backends.common.graph_edits import Inserting
 
 aten = torch.ops.aten
 
@@ -58,9 +58,6 @@ _MASK_CHECKS = 512
 _EDGE_VIEW = exir_ops.edge.aten.view_copy.default
 _EDGE_UNSQUEEZE = exir_ops.edge.aten.unsqueeze_copy.default
 _EDGE_CAT = exir_ops.edge.aten.cat.default
-# Metadata a replacement inherits from the node it replaces: where it came from in the model,
-# and the torch call the fallback policy knows it by.
-_PROVENANCE = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node")
 
 
 # The rewrites by name, in the order they apply: attention first, as it drops the boolean mask
@@ -381,7 +378,7 @@ class _Rewriter:
         )
         with self.graph.inserting_before(first_input):
             placeholder = self.graph.placeholder(name)
-        fake_mode = _Inserting(self.graph, first_input).fake_mode
+        fake_mode = Inserting(self.graph, first_input).fake_mode
         placeholder.meta["val"] = fake_mode.from_tensor(weight, static_shapes=True)
         self.added_specs.append(
             InputSpec(InputKind.BUFFER, TensorArgument(name), target=name, persistent=True)
@@ -424,40 +421,12 @@ class _Rewriter:
     def _calls(self, target: Any) -> list[torch.fx.Node]:
         return [n for n in self.graph.nodes if n.op == "call_function" and n.target == target]
 
-    def _inserting_before(self, anchor: torch.fx.Node) -> _Inserting:
-        return _Inserting(self.graph, anchor)
+    def _inserting_before(self, anchor: torch.fx.Node) -> Inserting:
+        return Inserting(self.graph, anchor)
 
     def _replace(self, node: torch.fx.Node, replacement: torch.fx.Node) -> None:
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
-
-
-class _Inserting:
-    """Inserts calls before `anchor`, each with its fake value and the anchor's provenance."""
-
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node) -> None:
-        self.graph = graph
-        self.anchor = anchor
-        values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-        self.fake_mode = detect_fake_mode(values)
-
-    def __enter__(self) -> Callable[..., torch.fx.Node]:
-        self._context = self.graph.inserting_before(self.anchor)
-        self._context.__enter__()
-        return self.make
-
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)
-
-    def make(self, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        node = self.graph.call_function(target, args, kwargs)
-        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), _val_or)
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
-        for key in _PROVENANCE:
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        return node
 
 
 def _concatenated(
