@@ -24,6 +24,10 @@ ROW_BLOCK = 64
 # The name of a weight repacked for CUDA beside the CPU packing it came from, where the program
 # still reads that packing (an output projection's exact rows, a tied embedding's lookup).
 CUDA_SUFFIX = "_for_cuda"
+# Where an artifact that calls the CPU kernel records the packing its weights are in (an
+# AOTInductor package's metadata, a program file's extra files): another CPU's kernel would read
+# them wrong, silently.
+PACKING_KEY = "cpu_int4_packing"
 _CPU_KERNEL = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _CUDA_KERNEL = torch.ops.aten._weight_int4pack_mm.default
 
@@ -45,6 +49,10 @@ class CpuPacking:
     name: str
     block: int
     halves: bool
+
+    def layout(self) -> str:
+        """The packing as an artifact records it: its layout, whatever the CPU is called."""
+        return f"{self.block}-row blocks, {'halves' if self.halves else 'pairs'}"
 
 
 def cpu_packing() -> CpuPacking:
@@ -72,6 +80,28 @@ def _packing_read() -> CpuPacking | None:
             if torch.equal(_codes_in(packed, packing).to(torch.int32), codes):
                 return packing
     return None
+
+
+def packing_record(program: ExportedProgram) -> dict[str, str]:
+    """What an artifact of `program` records of the packing its weights are in (`PACKING_KEY`:
+    this machine's), where the program calls the CPU kernel; nothing where it does not (CUDA's
+    tiles, and codes that plain ops unpack, read alike on every machine)."""
+    if not any(node.target is _CPU_KERNEL for node in program.graph.nodes):
+        return {}
+    return {PACKING_KEY: cpu_packing().layout()}
+
+
+def require_packing(recorded: str | None, artifact: object) -> None:
+    """ValueError naming `artifact` where its int4 weights are in a packing (`recorded`, from
+    `packing_record`) that this CPU's kernel does not read."""
+    here = CPU_PACKING.layout() if CPU_PACKING is not None else "a layout of its own"
+    if recorded is None or recorded == here:
+        return
+    raise ValueError(
+        f"{artifact} holds int4 weights packed for a CPU whose int4 kernel packs {recorded}; "
+        f"this CPU's ({torch.backends.cpu.get_cpu_capability()}) packs {here} and would compute "
+        "garbage from them: export the model again on a CPU like this one"
+    )
 
 
 def codes_of(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,11 @@ has no MLflow."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,7 @@ from runtimes import int4_kernels
 TINY = ("model=llama", "model.num_hidden_layers=1", "dynamic.seq.max=16")
 CPU_KERNEL = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 CUDA_KERNEL = torch.ops.aten._weight_int4pack_mm.default
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's int4 packing")
 
 
@@ -142,15 +148,89 @@ def test_int4_weight_on_aoti_is_the_int4_kernel_where_it_takes_the_layer() -> No
     assert module.get_submodule("model.lm_head").exact_top > 0
 
 
-def test_int4_weight_on_aoti_passes_its_verdict_and_audit(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def int4_aoti_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A tiny Llama's int4_weight job on aoti (CPU): its run dir and report."""
     from tests.conftest import job_in_process
 
-    record, report = job_in_process(tmp_path, "backend=aoti", *TINY, "quantize=int4_weight")
-    assert record.error is None and report["passed"]
+    run_dir = tmp_path_factory.mktemp("int4_aoti")
+    record, report = job_in_process(run_dir, "backend=aoti", *TINY, "quantize=int4_weight")
+    assert record.error is None, record.error
+    return run_dir, report
+
+
+def test_int4_weight_on_aoti_passes_its_verdict_and_audit(int4_aoti_job: tuple[Path, dict]):
+    _, report = int4_aoti_job
+    assert report["passed"]
     assert report["quantization"]["linear_layers"] == 8
     assert report["quantization"]["packed_layers"] == 6
     audit = report["weights_audit"]
     assert audit["passed"] and audit["mismatched"] == [], audit
+
+
+def _checked_on(bundle: Path, report: Path, capability: str | None):
+    """`python -m runtimes.check` of `bundle` in a process whose CPU kernels are `capability`'s
+    (ATEN_CPU_CAPABILITY; this CPU's own where None)."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    command = [sys.executable, "-m", "runtimes.check", str(bundle), "--report", str(report)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, cwd=PROJECT_ROOT)
+
+
+def test_a_package_of_the_cpu_kernel_checks_here_and_is_refused_by_a_cpu_that_packs_otherwise(
+    int4_aoti_job: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """The same bundle on this CPU, then in a process whose int4 kernel packs as a CPU without
+    vector instructions does (PyTorch's own kernel, told so): there it would compute garbage
+    from the weights, so it is refused at load, naming the package and both packings."""
+    here = int4_kernels.cpu_packing()
+    if (here.block, here.halves) == (32, False):
+        pytest.skip("this CPU packs as one without vector instructions: no other packing to run")
+    bundle = int4_aoti_job[0] / "bundle"
+    package = next(bundle.glob("**/model.pt2"))
+    recorded = int4_kernels.PACKING_KEY
+    assert f'"{recorded}": "{here.layout()}"' in _metadata_of(package)
+
+    same = _checked_on(bundle, tmp_path / "here.json", None)
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    other = _checked_on(bundle, tmp_path / "other.json", "default")
+    assert other.returncode == 5, other.stdout + other.stderr
+    assert "Traceback" not in other.stderr
+    (line,) = other.stderr.strip().splitlines()
+    assert f"packs {here.layout()}; this CPU's (DEFAULT) packs 32-row blocks, pairs" in line
+    assert str(package) in line
+    assert json.loads((tmp_path / "other.json").read_text())["check"]["exit_code"] == 5
+
+
+def _metadata_of(package: Path) -> str:
+    with zipfile.ZipFile(package) as archive:
+        names = [n for n in archive.namelist() if n.endswith("wrapper_metadata.json")]
+        return "".join(archive.read(n).decode() for n in names)
+
+
+def test_a_program_file_of_the_cpu_kernel_records_its_packing_and_another_is_refused(
+    tmp_path: Path,
+) -> None:
+    from runtimes.loaders.eager import ExportedProgramModule
+
+    program = torch.export.export(TiedLM(), (torch.tensor([[1, 2, 3]]),))
+    here = int4_kernels.cpu_packing().layout()
+    assert int4_kernels.packing_record(program) == {int4_kernels.PACKING_KEY: here}
+    plain = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(1, 4),))
+    assert int4_kernels.packing_record(plain) == {}
+
+    path = tmp_path / "program.pt2"
+    torch.export.save(program, path, extra_files={int4_kernels.PACKING_KEY: "16-row blocks, pairs"})
+    with pytest.raises(ValueError) as refused:
+        ExportedProgramModule(path)
+    assert str(refused.value).startswith(f"{path} holds int4 weights packed for a CPU whose")
+    assert "packs 16-row blocks, pairs; this CPU's" in str(refused.value)
+    torch.export.save(program, path, extra_files=int4_kernels.packing_record(program))
+    ids = torch.tensor([[4, 5, 6]])
+    (found,) = ExportedProgramModule(path).run([ids])
+    assert torch.equal(found, program.module()(ids))
 
 
 def test_an_int4_weight_group_the_kernel_does_not_take_is_refused_at_compose() -> None:

@@ -192,6 +192,7 @@ def compile_package(
             decode_step = decode_step_program(program, on_device)
             program = int4_kernels.prompts_through_cublas(program)
     metadata = {FUSED_WEIGHTS: fused_weights.to_json(fused)} if fused else {}
+    metadata |= int4_kernels.packing_record(program)
     package(program, path, decode_step, options, encode, metadata)
 
 

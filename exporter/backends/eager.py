@@ -67,7 +67,10 @@ class Eager(Backend):
             # A program made in memory (a part that localization cut) is saved where it says.
             import torch
 
-            torch.export.save(exported.program, exported.path)
+            from runtimes.int4_kernels import packing_record
+
+            record = packing_record(exported.program)
+            torch.export.save(exported.program, exported.path, extra_files=record)
         return Artifact.at(exported.path, self.output(config), partition=None)
 
 

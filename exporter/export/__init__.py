@@ -25,6 +25,7 @@ from exporter.export import shapes
 from exporter.export.diagnosis import Diagnosis, diagnose
 from exporter.files import atomic_path
 from exporter.models import ModelBundle, RunnerMetadata
+from runtimes.int4_kernels import packing_record
 from runtimes.loaders.eager import ENCODE, MODEL
 
 log = logging.getLogger(__name__)
@@ -122,10 +123,14 @@ def run(bundle: ModelBundle, settings: ExportConfig, out_dir: Path) -> Exported:
     path = out_dir / PROGRAM_FILE
     with atomic_path(path) as temporary:
         if encode is None:
-            torch.export.save(program, temporary)
+            torch.export.save(program, temporary, extra_files=packing_record(program))
         else:
             program, encode = _used_weights_only(program), _used_weights_only(encode)
-            package_pt2(temporary, exported_programs={MODEL: program, ENCODE: encode})
+            package_pt2(
+                temporary,
+                exported_programs={MODEL: program, ENCODE: encode},
+                extra_files=packing_record(program) | packing_record(encode),
+            )
     return Exported(
         program, path, shapes.profiles(bundle), diagnosis, bundle.runner_metadata(), encode
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch._inductor import aoti_load_package
 
+from runtimes import int4_kernels
 from runtimes.cuda_graphs import CudaGraphs
 from runtimes.on_device import OnDevice
 
@@ -47,6 +48,9 @@ class AotiPackage(OnDevice):
         compiled_for = models[MODEL].get_metadata().get(_DEVICE_KEY, on.type)
         if compiled_for != on.type:
             raise ValueError(f"{path} was compiled for {compiled_for}, not for {device}")
+        int4_kernels.require_packing(
+            models[MODEL].get_metadata().get(int4_kernels.PACKING_KEY), path
+        )
         call = calls(models)
         super().__init__(CudaGraphs(call) if graphed else call, on, models.get(ENCODE))
 

@@ -30,7 +30,10 @@ def load(path: Path, device: str) -> ExportedProgramModule:
 class ExportedProgramModule(OnDevice):
     def __init__(self, path: Path, device: str = "cpu") -> None:
         on = torch.device(device)
-        programs = load_pt2(path).exported_programs
+        contents = load_pt2(path)
+        # On CUDA too: the repacking into CUDA's tiles reads codes as this CPU packs them.
+        int4_kernels.require_packing(contents.extra_files.get(int4_kernels.PACKING_KEY), path)
+        programs = contents.exported_programs
         modules = {name: _on(program, on).module() for name, program in programs.items()}
         model, encode = modules[MODEL], modules.get(ENCODE)
         if encode is not None:
