@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.export import ExportedProgram
@@ -91,7 +92,7 @@ def packing_record(program: ExportedProgram) -> dict[str, str]:
     return {PACKING_KEY: cpu_packing().layout()}
 
 
-def require_packing(recorded: str | None, artifact: object) -> None:
+def require_packing(recorded: str | None, artifact: Path) -> None:
     """ValueError naming `artifact` where its int4 weights are in a packing (`recorded`, from
     `packing_record`) that this CPU's kernel does not read."""
     here = CPU_PACKING.layout() if CPU_PACKING is not None else "a layout of its own"
