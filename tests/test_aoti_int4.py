@@ -168,7 +168,9 @@ def test_int4_weight_on_aoti_passes_its_verdict_and_audit(int4_aoti_job: tuple[P
     assert audit["passed"] and audit["mismatched"] == [], audit
 
 
-def _checked_on(bundle: Path, report: Path, capability: str | None):
+def _checked_on(
+    bundle: Path, report: Path, capability: str | None
+) -> subprocess.CompletedProcess[str]:
     """`python -m runtimes.check` of `bundle` in a process whose CPU kernels are `capability`'s
     (ATEN_CPU_CAPABILITY; this CPU's own where None)."""
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
