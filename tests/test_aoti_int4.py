@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.export.pt2_archive._package import load_pt2
 
 from exporter import config, models, quantize
 from exporter.audit.matching import Constant, Form, audit_constants, forms
@@ -193,6 +194,9 @@ def test_a_package_of_the_cpu_kernel_checks_here_and_is_refused_by_a_cpu_that_pa
     package = next(bundle.glob("**/model.pt2"))
     recorded = int4_kernels.PACKING_KEY
     assert f'"{recorded}": "{here.layout()}"' in _metadata_of(package)
+    # The export stage's program file, which the eager loader runs, records it too.
+    program_file = load_pt2(int4_aoti_job[0] / "program.pt2")
+    assert program_file.extra_files == {recorded: here.layout()}
 
     same = _checked_on(bundle, tmp_path / "here.json", None)
     assert same.returncode == 0, same.stdout + same.stderr
