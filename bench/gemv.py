@@ -103,6 +103,34 @@ def graphed_us(calls: Sequence[Callable[[], object]], replays: int) -> float:
     return statistics.median(times)
 
 
+def int4_main(
+    argv: Sequence[str] | None,
+    doc: str,
+    script: str,
+    shapes: Sequence[str],
+    group: int,
+    timed: Callable[[str, int], list[list[str]]],
+) -> int:
+    """The command line of an int4 GEMV's bench (`script`, described by `doc`'s first
+    paragraph): `timed`'s rows for each of `shapes` ("OUTxIN"), then the table of them all."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(shapes), help="OUTxIN")
+    parser.add_argument("--replays", type=int, default=15)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{script} times CUDA kernels; this machine has no CUDA device")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, group {group}, weights rotated past L2, medians")
+    headers = ["weight", "MB", "GEMV", "us", "TB/s", "max diff"]
+    found: list[list[str]] = []
+    for shape in args.shapes:
+        rows = timed(shape, args.replays)
+        found += rows
+        print(tabulate(rows, disable_numparse=True), flush=True)
+    print(tabulate(found, headers=headers, disable_numparse=True))
+    return 0
+
+
 def timed(shape: str, options: Sequence[str], replays: int) -> list[tuple[str, float, float]]:
     """(what, us, largest difference from float32's product) per way of computing a projection
     of `shape` ("OUTxIN")."""

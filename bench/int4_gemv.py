@@ -23,7 +23,6 @@ the product.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from collections.abc import Callable, Sequence
@@ -32,11 +31,10 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemv import ROTATED_BYTES, graphed_us
+from bench.gemv import ROTATED_BYTES, graphed_us, int4_main
 from runtimes import int4_kernels
 
 SHAPES = ("2048x2048", "6144x2048", "16384x2048", "2048x8192", "128256x2048")
@@ -200,21 +198,7 @@ def timed(shape: str, replays: int) -> list[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN")
-    parser.add_argument("--replays", type=int, default=15)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/int4_gemv.py times CUDA kernels; this machine has no CUDA device")
-        return 2
-    print(f"{torch.cuda.get_device_name()}, group {GROUP}, weights rotated past L2, medians")
-    headers = ["weight", "MB", "GEMV", "us", "TB/s", "max diff"]
-    found = []
-    for shape in args.shapes:
-        found += timed(shape, args.replays)
-        print(tabulate(found[-3:], disable_numparse=True), flush=True)
-    print(tabulate(found, headers=headers, disable_numparse=True))
-    return 0
+    return int4_main(argv, __doc__, "bench/int4_gemv.py", SHAPES, GROUP, timed)
 
 
 if __name__ == "__main__":
