@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from exporter.export import Diagnosis
+from exporter.export import Diagnosis, ExportDiagnosed
 from tests.conftest import CliResult, job_in_process
 
 MODELS = Path(__file__).with_name("failing_models.py")
@@ -62,6 +64,37 @@ def test_branching_on_a_tensor_value_names_the_line_and_the_fix(
     # torch.export's own print of the graph it traced goes to the report, not the terminal.
     assert "aten.sum.default" in export_report(result)["partial_graph"]
     assert "def forward(self" not in result.output
+
+
+class TraceRecords(logging.Handler):
+    """Counts the records of torch's structured trace by their kind."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.kinds: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for kind in getattr(record, "metadata", {}):
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+
+def test_the_diagnosis_takes_no_stack_of_each_symbolic_expression(tmp_path: Path) -> None:
+    """draft_export would record every expression torch creates with its stacks (dozens for this
+    model, about 24,000 for a tiny ConvNeXt); the diagnosis reads only the failures, which it
+    still finds with their line."""
+    records = TraceRecords()
+    trace = logging.getLogger("torch.__trace")
+    trace.addHandler(records)
+    try:
+        with pytest.raises(ExportDiagnosed) as failed:
+            job_in_process(tmp_path / "run", *custom("branch_on_value"), "backend=eager")
+    finally:
+        trace.removeHandler(records)
+    (failure,) = failed.value.diagnosis.failures
+    assert failure.kind == "data-dependent error"
+    assert failure.location is not None and failure.location.code.startswith("if x.sum() > 0:")
+    assert records.kinds.get("propagate_real_tensors_provenance", 0) > 0, records.kinds
+    assert records.kinds.get("expression_created", 0) == 0, records.kinds
 
 
 def test_a_dim_the_model_specializes_exits_3_naming_the_dim_its_value_and_the_line(
