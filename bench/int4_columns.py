@@ -12,7 +12,7 @@ operation a code, its input taken twice (an eighth); the 128s come off once a wo
 sums of the inputs. tinygemm computes tiles of 16 rows, 15 of them padding at batch 1.
 
 It wins where a weight has many outputs (1.29x tinygemm's speed for the head on an H200) and
-loses at 2048 outputs; over a step of the model it would save about 4% (docs/backends.md). It
+loses at 2048 outputs; over a step of the model it would save about 5% (docs/backends.md). It
 stays a bench candidate, not in the product.
 
     python bench/int4_columns.py
