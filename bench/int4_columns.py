@@ -38,7 +38,7 @@ SHAPES = ("2048x2048", "6144x2048", "16384x2048", "2048x8192", "128256x2048")
 GROUP = 32
 # The sweep: outputs a program, words of an output a step, warps.
 SWEEP = ((16, 32, 64, 128), (32, 64, 128, 256), (4, 8))
-# The most int32 a program's step loads, past which registers spill.
+# The most int32 a program's step loads: the sweep's cap on a step's tile.
 MOST_WORDS = 16384
 
 
@@ -99,11 +99,9 @@ def _scaled(dot, x_sum, pair):
 
 def columns(codes: torch.Tensor) -> torch.Tensor:
     """Codes u [out, in] (0 to 15) as the layout's words [in // 8, out]."""
-    rows, cols = codes.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    words = (codes.view(rows, cols // 8, 8).to(torch.int64) << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.t().contiguous()
+    # Two codes a byte, the first low; four bytes a little-endian int32.
+    pairs = (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8)
+    return pairs.view(torch.int32).t().contiguous()
 
 
 def product(
