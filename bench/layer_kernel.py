@@ -25,14 +25,15 @@ apart come within 3% of it, and each reads its weights at 1.5 to 3.3 TB/s of the
 (docs/backends.md).
 
     python bench/layer_kernel.py --phase-times
-    python bench/layer_kernel.py --programs 264 --fills 1023 --modes persistent --no-inductor \\
-        --tiles "" "splits=4" "o_split=2,stages=3"
+    python bench/layer_kernel.py --programs 264 --modes persistent --tiles "" "splits=4"
+    python bench/layer_kernel.py --programs 264 --tiles "" "in_kernel_descriptors=1"
     TRITON_INTERPRET=1 python bench/layer_kernel.py --check-only --hidden 128 --heads 2 \\
         --intermediate 256 --slots 64 --programs 5 --tiles cols=32,cols_down=32,splits=4
 
-Before timing, it compares the kernel with the layer in float32 torch and stops if they differ;
-`--check-only` stops there. Under Triton's interpreter (programs run one after another, so the
-grid barrier cannot) that is the check of the phases launched apart, on a CPU.
+Before timing, it compares the kernel at each set of tiles with the layer in float32 torch and
+stops if they differ; `--check-only` stops there. Under Triton's interpreter (programs run one
+after another, so the grid barrier cannot) that is the check of the phases launched apart, on a
+CPU.
 """
 
 from __future__ import annotations
@@ -199,16 +200,23 @@ def _attention_phase(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, pos, p
 
 @triton.jit
 def _layer_kernel(
-    x_ptr, out_ptr, g1_ptr, qkv_desc, o_desc, g2_ptr, gate_up_desc, down_desc, k_cache_ptr,
+    x_ptr, out_ptr, g1_ptr, qkv_w, o_w, g2_ptr, gate_up_w, down_w, k_cache_ptr,
     v_cache_ptr, cos_ptr, sin_ptr, pos_ptr, qkv_ptr, part_ptr, stats_ptr, attn_ptr, x1_ptr, act_ptr,
     counter_ptr, eps, H: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
     S: tl.constexpr, NSPLIT: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr,
     BN_MLP: tl.constexpr, BN_DOWN: tl.constexpr, BK: tl.constexpr, BK_DOWN: tl.constexpr,
     SPLIT_QKV: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_DOWN: tl.constexpr,
-    STAGES: tl.constexpr, PHASE: tl.constexpr,
+    STAGES: tl.constexpr, IN_KERNEL: tl.constexpr, PHASE: tl.constexpr,
 ):
     """One decoder layer: PHASE 0 runs the five phases with a grid barrier between each two,
-    PHASE 1 to 5 runs that phase alone (the launch is then the barrier)."""
+    PHASE 1 to 5 runs that phase alone (the launch is then the barrier). The weights come as
+    tensor descriptors, or where IN_KERNEL as pointers that the kernel makes descriptors of."""
+    if IN_KERNEL:
+        # How a package can take them: AOTInductor takes no host-side descriptor (docs/backends.md).
+        qkv_w = tl.make_tensor_descriptor(qkv_w, [3 * H, H], [H, 1], [BN_QKV, BK])
+        o_w = tl.make_tensor_descriptor(o_w, [H, H], [H, 1], [BN_O, BK])
+        gate_up_w = tl.make_tensor_descriptor(gate_up_w, [2 * FFN, H], [H, 1], [BN_MLP, BK])
+        down_w = tl.make_tensor_descriptor(down_w, [H, FFN], [FFN, 1], [BN_DOWN, BK_DOWN])
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -218,7 +226,7 @@ def _layer_kernel(
     if PHASE == 0 or PHASE == 1:
         _copy(x1_ptr, x_ptr, pid, programs, H)
         scale = _rms(x_ptr, H, eps)
-        _gemv_phase(qkv_desc, x_ptr, g1_ptr, scale, qkv_ptr, pid, programs, 3 * H, H, BN_QKV, BK,
+        _gemv_phase(qkv_w, x_ptr, g1_ptr, scale, qkv_ptr, pid, programs, 3 * H, H, BN_QKV, BK,
                     SPLIT_QKV, True, False, STAGES)
     if PHASE == 0:
         _grid_barrier(counter_ptr, programs)
@@ -229,19 +237,19 @@ def _layer_kernel(
         _grid_barrier(counter_ptr + 1, programs)
     if PHASE == 0 or PHASE == 3:
         _copy(qkv_ptr, None, pid, programs, 3 * H)
-        _gemv_phase(o_desc, attn_ptr, None, 1.0, x1_ptr, pid, programs, H, H, BN_O, BK, SPLIT_O,
+        _gemv_phase(o_w, attn_ptr, None, 1.0, x1_ptr, pid, programs, H, H, BN_O, BK, SPLIT_O,
                     False, False, STAGES)
     if PHASE == 0:
         _grid_barrier(counter_ptr + 2, programs)
     if PHASE == 0 or PHASE == 4:
         _copy(out_ptr, x1_ptr, pid, programs, H)
         scale = _rms(x1_ptr, H, eps)
-        _gemv_phase(gate_up_desc, x1_ptr, g2_ptr, scale, act_ptr, pid, programs, FFN, H, BN_MLP,
+        _gemv_phase(gate_up_w, x1_ptr, g2_ptr, scale, act_ptr, pid, programs, FFN, H, BN_MLP,
                     BK, 1, True, True, STAGES)
     if PHASE == 0:
         _grid_barrier(counter_ptr + 3, programs)
     if PHASE == 0 or PHASE == 5:
-        _gemv_phase(down_desc, act_ptr, None, 1.0, out_ptr, pid, programs, H, FFN, BN_DOWN,
+        _gemv_phase(down_w, act_ptr, None, 1.0, out_ptr, pid, programs, H, FFN, BN_DOWN,
                     BK_DOWN, SPLIT_DOWN, False, False, STAGES)
 # fmt: on
 
@@ -346,7 +354,8 @@ def layer_in_torch(
 class Tiles:
     """The kernel's block sizes: rows a tile of each projection, columns a step (of the down
     projection apart; a TMA copy takes at most 256 of each), the parts K is split into for q/k/v,
-    o and down, the splits of the cache's slots, warps, and the steps of weights in flight."""
+    o and down, the splits of the cache's slots, warps, the steps of weights in flight, and
+    whether the kernel makes the weights' descriptors itself (1) or is handed them (0)."""
 
     qkv: int = 16
     o: int = 16
@@ -360,6 +369,7 @@ class Tiles:
     splits: int = 8
     warps: int = 4
     stages: int = 4
+    in_kernel_descriptors: int = 0
 
 
 class LayerKernel:
@@ -375,6 +385,11 @@ class LayerKernel:
         self.attn = zeros(h)
         self.x1 = zeros(h)
         self.act = zeros(shape.intermediate)
+        if tiles.in_kernel_descriptors:
+            # A descriptor made in a kernel lives in global scratch that Triton asks for.
+            triton.set_allocator(
+                lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
+            )
 
     def __call__(
         self,
@@ -410,7 +425,9 @@ class LayerKernel:
     def _arguments(self, x, out, layer, pos, cos, sin, counters) -> tuple:
         t = self.tiles
 
-        def tiled(weight: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+        def tiled(weight: torch.Tensor, rows: int, cols: int) -> TensorDescriptor | torch.Tensor:
+            if t.in_kernel_descriptors:
+                return weight
             return TensorDescriptor.from_tensor(weight, [rows, cols])
 
         return (
@@ -426,7 +443,8 @@ class LayerKernel:
             H=s.hidden, NH=s.heads, HD=s.head_dim, FFN=s.intermediate, S=s.slots,
             NSPLIT=t.splits, BN_QKV=t.qkv, BN_O=t.o, BN_MLP=t.mlp,
             BN_DOWN=t.down, BK=t.cols, BK_DOWN=t.cols_down, SPLIT_QKV=t.qkv_split,
-            SPLIT_O=t.o_split, SPLIT_DOWN=t.down_split, STAGES=t.stages, PHASE=phase,
+            SPLIT_O=t.o_split, SPLIT_DOWN=t.down_split, STAGES=t.stages,
+            IN_KERNEL=t.in_kernel_descriptors, PHASE=phase,
             num_warps=t.warps,
         )  # fmt: skip
 
@@ -587,10 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         print("bench/layer_kernel.py reads weights through TMA, which needs a Hopper card or later")
         return 2
-    headers = ["mode", "pos", "max diff / max |out|", "cache max diff"]
-    check = checked(shape, configs[0], programs, device, modes)
+    headers = ["tiles", "mode", "pos", "max diff / max |out|", "cache max diff"]
+    check = [
+        [number, *row]
+        for number, tiles in enumerate(configs)
+        for row in checked(shape, tiles, programs, device, modes)
+    ]
     print(tabulate(check, headers=headers, floatfmt=".2e"))
-    if any(worst > CHECK_TOLERANCE for _, _, worst, _ in check):
+    if any(worst > CHECK_TOLERANCE for *_, worst, _ in check):
         print(f"the kernel differs from torch's layer by more than {CHECK_TOLERANCE}; not timed")
         return 1
     if args.check_only:
