@@ -301,12 +301,6 @@ class Layer:
             values=normal(*cache, std=1.0),
         )
 
-    def weight_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for t in (self.norm1, self.qkv, self.o, self.norm2, self.gate_up, self.down)
-        )
-
 
 def rope_tables(shape: Shape, pos: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin at `pos`, [head_dim] float32, as transformers' Llama makes them (no scaling)."""
@@ -482,9 +476,16 @@ MODES = {"persistent": (0,), "phases apart": (1, 2, 3, 4, 5)}
 
 
 def phase_bytes(shape: Shape, fill: int) -> dict[int, int]:
-    """The bytes each phase must read: its weights (bfloat16), or the cache's filled slots."""
+    """The bytes each phase must read: its weights and norm (bfloat16), or the cache's filled
+    slots; together, a layer's floor."""
     h, ffn = shape.hidden, shape.intermediate
-    return {1: 6 * h * h, 2: 4 * (fill + 1) * h, 3: 2 * h * h, 4: 4 * ffn * h, 5: 2 * ffn * h}
+    return {
+        1: 6 * h * h + 2 * h,
+        2: 4 * (fill + 1) * h,
+        3: 2 * h * h,
+        4: 4 * ffn * h + 2 * h,
+        5: 2 * ffn * h,
+    }
 
 
 def timed(shape: Shape, configs: Sequence[Tiles], args: argparse.Namespace) -> list[list[str]]:
@@ -511,7 +512,7 @@ def timed(shape: Shape, configs: Sequence[Tiles], args: argparse.Namespace) -> l
         return step
 
     steps: dict[str, Callable[[], None]] = {}
-    phase_steps: dict[str, Callable[[], None]] = {}
+    phase_steps: dict[str, tuple[int, Callable[[], None]]] = {}
     for number, tiles in enumerate(configs):
         for programs in args.programs:
             kernel = LayerKernel(shape, tiles, programs, "cuda")
@@ -524,7 +525,7 @@ def timed(shape: Shape, configs: Sequence[Tiles], args: argparse.Namespace) -> l
                 steps[f"{mode}, {name}"] = kernel_step(kernel, MODES[mode])
             if args.phase_times:
                 for phase in range(1, 6):
-                    phase_steps[f"{name}, phase {phase}"] = kernel_step(kernel, (phase,))
+                    phase_steps[f"{name}, phase {phase}"] = (phase, kernel_step(kernel, (phase,)))
     if not args.no_inductor:
         compiled = torch.compile(
             lambda x, pos, cos, sin, *tensors: layer_in_torch(x, Layer(*tensors), pos, cos, sin),
@@ -542,13 +543,13 @@ def timed(shape: Shape, configs: Sequence[Tiles], args: argparse.Namespace) -> l
     rows = []
     for fill in args.fills:
         pos.fill_(fill)
-        read = sum(layer.weight_bytes() + 2 * (fill + 1) * shape.hidden * 2 for layer in layers)
-        floor_ms = memory_floor.on("cuda", read).ms
+        floor = memory_floor.on("cuda", args.layers * sum(phase_bytes(shape, fill).values()))
         for name, step in steps.items():
             ms = graphed_us([step], args.replays) / 1e3
             per_layer = ms * 1e3 / args.layers
             rows.append(
-                [name, fill, f"{ms:.3f}", f"{per_layer:.1f}", f"{ms / floor_ms:.2f}x",
+                [name, fill, f"{ms:.3f}", f"{per_layer:.1f}",
+                 f"{floor.ratio(ms):.2f}x" if floor else "unknown",
                  "yes" if per_layer <= GOAL_PER_LAYER_US else "no"]
             )  # fmt: skip
             print(tabulate([rows[-1]], disable_numparse=True), flush=True)
@@ -556,9 +557,9 @@ def timed(shape: Shape, configs: Sequence[Tiles], args: argparse.Namespace) -> l
         fill = args.fills[-1]
         pos.fill_(fill)
         phases = []
-        for name, step in phase_steps.items():
+        for name, (phase, step) in phase_steps.items():
             us = graphed_us([step], args.replays) / args.layers
-            read = phase_bytes(shape, fill)[int(name[-1])]
+            read = phase_bytes(shape, fill)[phase]
             phases.append([name, f"{us:.1f}", f"{read / 1e6:.1f}", f"{read / us / 1e6:.2f}"])
         headers = ["phase alone", "us a layer", "MB", "TB/s"]
         print(f"at fill {fill}:")
