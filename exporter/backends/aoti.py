@@ -14,7 +14,9 @@ one copy, and the loader hands the same tensors to both. With int4 weights, the 
 its matmuls of one row with CUDA's int4 kernel, and the program its prompts' with cuBLAS, each
 weight dequantized first: the int4 kernel takes 3.4 to 18.5 times as long over 128 rows or more.
 On CUDA the int4 projections of one input are one call of the kernel (`backend.fused_projections`):
-a full-size int4 decode step 1.11x faster.
+a full-size int4 decode step 1.11x faster. And the decode step's attention, its cache write and
+RoPE are one Triton kernel of the project's (`backend.decode_attention`): 1.02x to 1.07x faster
+at full size in bfloat16.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class AotiConfig(BackendConfig):
     # (exporter/backends/common/fused_projections.py): null where it was measured to pay (on
     # CUDA); true or false on any device. Layers without int4 weights are left as they are.
     fused_projections: bool | None = None
+    # The decode step's attention computed by the project's Triton kernel, the cache write and
+    # RoPE in it (exporter/backends/common/decode_attention.py): null where it was measured to
+    # pay (on CUDA); true or false on CUDA.
+    decode_attention: bool | None = None
 
     def quantize_recipes(self) -> tuple[str, ...]:
         # PyTorch's packed int4 kernel (which holds a GGUF file's 4-bit and 8-bit codes): the
@@ -83,6 +89,11 @@ class Aoti(Backend):
 
         torch_device.require(config.device)
         _compiler()
+        if config.decode_attention and config.device == "cpu":
+            raise ConfigError(
+                "backend.decode_attention=true: its kernel is compiled for CUDA, and "
+                "backend.device=cpu; set it to null or false, or backend.device=cuda"
+            )
 
     def output(self, config: AotiConfig) -> Output:
         return Output(
@@ -151,8 +162,9 @@ def compile_package(
     call (`one_token`, one_token_call's inputs); with its decoder's `encode` method, where it
     has one, as a model of the package that shares the program's state. A package with a decode
     step computes its prompts' int4 matmuls by cuBLAS, its decode steps' by CUDA's int4 kernel
-    (`int4_kernels.prompts_through_cublas`). The int4 projections of one input are one call
-    where `fuses_projections` says, the weights that encode reads left apart."""
+    (`int4_kernels.prompts_through_cublas`), and its attentions by the project's kernel where
+    `computes_decode_attention` says. The int4 projections of one input are one call where
+    `fuses_projections` says, the weights that encode reads left apart."""
     from torch.export.passes import move_to_device_pass
 
     from exporter.backends.common import torch_device
@@ -190,6 +202,14 @@ def compile_package(
             )
             on_device = tuple(x.to(device) for x in one_token)
             decode_step = decode_step_program(program, on_device)
+            if computes_decode_attention(config):
+                from exporter.backends.common import decode_attention
+
+                log.info(
+                    "[lower] AOTInductor: %d attentions of the decode step through the "
+                    "project's kernel",
+                    decode_attention.rewritten(decode_step),
+                )
             program = int4_kernels.prompts_through_cublas(program)
     metadata = {FUSED_WEIGHTS: fused_weights.to_json(fused)} if fused else {}
     metadata |= int4_kernels.packing_record(program)
@@ -272,6 +292,14 @@ def fuses_projections(config: AotiConfig) -> bool:
     an H200 (exporter/backends/common/fused_projections.py). Not measured on the CPU."""
     if config.fused_projections is not None:
         return config.fused_projections
+    return config.device != "cpu"
+
+
+def computes_decode_attention(config: AotiConfig) -> bool:
+    """`backend.decode_attention`, or where it is null, where the kernel was measured to pay: on
+    CUDA (docs/backends.md)."""
+    if config.decode_attention is not None:
+        return config.decode_attention
     return config.device != "cpu"
 
 
