@@ -17,8 +17,10 @@ of one input fused where `backend.fused_projections`' does). Every other variant
 parts, each adding options to the backend's own (`freezing`), or making the decode step or
 leaving it out whatever the default (`decode_step`, `no_decode_step`: every call runs the
 program as exported, its matmuls' rows symbolic), or fusing the int4 projections or not
-(`fused_projections`, `unfused_projections`). The kernel census profiles one decode step run
-without a CUDA graph: the kernels and their summed time on the GPU, the largest by time.
+(`fused_projections`, `unfused_projections`), or computing the decode step's attention by the
+project's kernel or not (`decode_attention`, `no_decode_attention`). The kernel census
+profiles one decode step run without a CUDA graph: the kernels and their summed time on the
+GPU, the largest by time.
 `--prefills` times prompts of those lengths too (bench/kv_decode.py), each within the program's
 `dynamic.seq.max`.
 """
@@ -69,7 +71,9 @@ VARIANTS: dict[str, dict[str, object]] = {
 DECODE_STEP = {"decode_step": True, "no_decode_step": False}
 # backend.fused_projections=true and false.
 FUSED_PROJECTIONS = {"fused_projections": True, "unfused_projections": False}
-PARTS = (*VARIANTS, *DECODE_STEP, *FUSED_PROJECTIONS)
+# backend.decode_attention=true and false.
+DECODE_ATTENTION = {"decode_attention": True, "no_decode_attention": False}
+PARTS = (*VARIANTS, *DECODE_STEP, *FUSED_PROJECTIONS, *DECODE_ATTENTION)
 
 
 def exported_program(overrides: Sequence[str], out: Path) -> Exported:
@@ -105,6 +109,7 @@ def compiled(exported: Exported, variant: str, package: Path) -> float:
         options.update(VARIANTS.get(part, {}))
         backend.decode_step = DECODE_STEP.get(part, backend.decode_step)
         backend.fused_projections = FUSED_PROJECTIONS.get(part, backend.fused_projections)
+        backend.decode_attention = DECODE_ATTENTION.get(part, backend.decode_attention)
     started = time.perf_counter()
     aoti.compile_package(program, aoti.one_token_call(exported), backend, package, options)
     return time.perf_counter() - started
