@@ -6,7 +6,7 @@ only the slots the mask lets through, and where q and k come from RoPE (x * cos 
 sin) with the same cos and sin, rotates them itself. Registered as a `torch.library.triton_op`,
 AOTInductor compiles it into the package.
 
-The slots are split over programs (8 splits of a cache of 512 slots or more), each split's
+The slots are split over programs (8 splits where they are a multiple of 512), each split's
 softmax-weighted values summed unnormalized beside their largest score and their weights' sum,
 and a second launch combines a head's splits. Every sum is float32; the output is rounded once.
 Inductor's decode step had computed the cache write and RoPE in its projections' kernels and the
