@@ -21,7 +21,7 @@ import triton.language as tl
 from torch.export import ExportedProgram
 from torch.library import triton_op, wrap_triton
 
-from exporter.backends.common.graph_edits import Inserting
+from exporter.backends.common.graph_edits import Inserting, tensor_value
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -175,11 +175,6 @@ def _(q, k, v, cos, sin, k_cache, v_cache, mask, pos, scale):
     return q.new_empty((1, q.shape[1], 1, q.shape[-1]))
 
 
-def _val(node: object) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _is(node: object, target: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is target
 
@@ -189,7 +184,7 @@ def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node) -> int:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     args = dict(zip(names, sdpa.args, strict=False))
     args |= sdpa.kwargs
-    q, mask = _val(args["query"]), _val(args.get("attn_mask"))
+    q, mask = tensor_value(args["query"]), tensor_value(args.get("attn_mask"))
     if (
         q is None
         or mask is None
@@ -208,7 +203,7 @@ def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node) -> int:
     if None in writes:
         return 0
     (k_cache, pos, k), (v_cache, _, v) = writes
-    cache, v_cache_value = _val(k_cache), _val(v_cache)
+    cache, v_cache_value = tensor_value(k_cache), tensor_value(v_cache)
     if (
         cache.shape[2] != mask.shape[-1]
         or q.shape[1] % cache.shape[1]
@@ -242,7 +237,7 @@ def _cache_write(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, tor
     if node.target is not aten.index_copy_.default or len(node.users) != 1:
         return None
     cache, dim, pos, new = node.args
-    values = _val(cache), _val(new), _val(pos)
+    values = tensor_value(cache), tensor_value(new), tensor_value(pos)
     if None in values or cache.op != "placeholder":
         return None
     cache_value, new_value, pos_value = values
@@ -269,11 +264,15 @@ def _rope(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.N
             continue
         for x, cos in (straight.args, straight.args[::-1]):
             for cat, sin in (turned.args, turned.args[::-1]):
-                if _rotates_half(cat, x) and all(
-                    _val(t) is not None and _val(t).numel() == _val(x).shape[-1] for t in (cos, sin)
-                ):
+                if _rotates_half(cat, x) and _holds(cos, x) and _holds(sin, x):
                     return x, cos, sin
     return None
+
+
+def _holds(table: object, x: object) -> bool:
+    """Whether `table` (cos or sin) has one value for each of x's last dim."""
+    values = tensor_value(table)
+    return values is not None and values.numel() == tensor_value(x).shape[-1]
 
 
 def _rotates_half(node: object, x: object) -> bool:
@@ -281,9 +280,9 @@ def _rotates_half(node: object, x: object) -> bool:
     if not _is(node, aten.cat.default) or node.args[1:] not in ((-1,), (3,)):
         return False
     parts = node.args[0]
-    if len(parts) != 2 or not _is(parts[0], aten.neg.default) or _val(x) is None:
+    if len(parts) != 2 or not _is(parts[0], aten.neg.default) or tensor_value(x) is None:
         return False
-    half = _val(x).shape[-1] // 2
+    half = tensor_value(x).shape[-1] // 2
     return _is_slice(parts[0].args[0], x, half, 2 * half) and _is_slice(parts[1], x, 0, half)
 
 
@@ -292,7 +291,7 @@ def _is_slice(node: object, x: object, start: int, end: int) -> bool:
     if not _is(node, aten.slice.Tensor) or node.args[0] is not x:
         return False
     dim, first, last = [*node.args[1:], None, None, None][:3]
-    length = _val(x).shape[-1]
+    length = tensor_value(x).shape[-1]
     last = length if last is None else min(last, length)
     return dim in (-1, 3) and first == start and last == end
 

@@ -45,3 +45,10 @@ class Inserting:
 
 def _value(node: torch.fx.Node) -> Any:
     return node.meta.get("val")
+
+
+def tensor_value(node: object) -> torch.Tensor | None:
+    """The fake tensor export recorded for `node`'s value; None where it is not a node or its
+    value is not a tensor."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None

@@ -45,7 +45,7 @@ from torch.export.exported_program import InputKind, InputSpec, TensorArgument
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from exporter.artifact.partition import WrongKernelAvoided
-from exporter.backends.common.graph_edits import Inserting
+from exporter.backends.common.graph_edits import Inserting, tensor_value
 
 aten = torch.ops.aten
 
@@ -193,7 +193,7 @@ class _Rewriter:
             return False
         if _arg(node, 7, "enable_gqa", False):
             return False
-        values = [_val(x) for x in qkv]
+        values = [tensor_value(x) for x in qkv]
         if any(v is None or v.dim() != 4 or v.dtype not in _XNNPACK_DTYPES for v in values):
             return False
         query, key, value = values
@@ -210,8 +210,8 @@ class _Rewriter:
         value: torch.fx.Node,
         additive: torch.fx.Node | None,
     ) -> torch.fx.Node:
-        batch, heads, _, head_dim = _val(query).shape
-        value_dim = _val(value).shape[3]
+        batch, heads, _, head_dim = tensor_value(query).shape
+        value_dim = tensor_value(value).shape[3]
         scale = _arg(node, 6, "scale", None)
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim)
@@ -239,7 +239,7 @@ class _Rewriter:
         seq = self._causal_seq(mask)
         if seq is None:
             return None
-        dtype = _val(query).dtype
+        dtype = tensor_value(query).dtype
         with self._inserting_before(mask) as make:
             positions = make(aten.arange.default, seq, dtype=dtype, device=torch.device("cpu"))
             rows = make(aten.reshape.default, positions, [-1, 1])
@@ -256,7 +256,7 @@ class _Rewriter:
     def _causal_seq(self, mask: torch.fx.Node) -> torch.fx.Node | None:
         """The node of the seq size that `mask` is the causal mask of, computed from it alone;
         None where the mask is anything else."""
-        value = _val(mask)
+        value = tensor_value(mask)
         if value is None or value.dtype != torch.bool or value.dim() < 2:
             return None
         rows, columns = value.shape[-2:]
@@ -309,8 +309,8 @@ class _Rewriter:
         of grouped-query attention). XNNPACK has no expand; its concatenation takes up to five
         tensors, so more copies concatenate in steps."""
         for node in self._calls(aten.expand.default):
-            source = _val(node.args[0])
-            value = _val(node)
+            source = tensor_value(node.args[0])
+            value = tensor_value(node)
             if source is None or value is None or source.dtype not in _XNNPACK_DTYPES:
                 continue
             grown = _grown_dims(source, value)
@@ -326,7 +326,7 @@ class _Rewriter:
         """A mean over the last dim, kept: the mean over the two inner dims of the 4-D view
         [1, rows, last, 1], which is XNNPACK's global average pooling."""
         for node in self._calls(aten.mean.dim):
-            value = _val(node.args[0])
+            value = tensor_value(node.args[0])
             dims = node.args[1]
             keepdim = _arg(node, 2, "keepdim", False)
             if value is None or value.dtype not in _XNNPACK_DTYPES or len(node.kwargs) > 0:
@@ -336,7 +336,7 @@ class _Rewriter:
             last = value.shape[-1]
             if not isinstance(last, int) or not keepdim:
                 continue
-            out_shape = [d if isinstance(d, int) else -1 for d in _val(node).shape]
+            out_shape = [d if isinstance(d, int) else -1 for d in tensor_value(node).shape]
             if out_shape.count(-1) > 1:
                 continue
             with self._inserting_before(node) as make:
@@ -352,7 +352,7 @@ class _Rewriter:
             source = _rotated_half(node)
             if source is None:
                 continue
-            value = _val(source)
+            value = tensor_value(source)
             weight = self._rotation_weight(value.shape[-1], value.dtype)
             with self._inserting_before(node) as make:
                 self._replace(node, make(aten.linear.default, source, weight))
@@ -391,7 +391,7 @@ class _Rewriter:
         """gelu(x, approximate="tanh") in float32, the dtype XNNPACK takes gelu in, as
         0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), PyTorch's formula."""
         for node in self._calls(aten.gelu.default):
-            value = _val(node.args[0])
+            value = tensor_value(node.args[0])
             if value is None or value.dtype != torch.float32:
                 continue
             if _arg(node, 1, "approximate", "none") != "tanh":
@@ -445,7 +445,7 @@ def _concatenated(
 def _rotated_half(cat: torch.fx.Node) -> torch.fx.Node | None:
     """x where `cat` is cat([-x[..., half:], x[..., :half]], -1) of an even last dim."""
     parts = cat.args[0]
-    value = _val(cat)
+    value = tensor_value(cat)
     if len(parts) != 2 or value is None or value.dtype not in _XNNPACK_DTYPES:
         return None
     last = value.dim() - 1
@@ -462,7 +462,7 @@ def _rotated_half(cat: torch.fx.Node) -> torch.fx.Node | None:
     if not isinstance(size, int) or size % 2 or second.args[0] is not source:
         return None
     half = size // 2
-    if _val(source) is None or _val(source).shape[-1] != size:
+    if tensor_value(source) is None or tensor_value(source).shape[-1] != size:
         return None
     if _slice_bounds(first, last) != (0, half) or _slice_bounds(second, last) != (half, size):
         return None
@@ -476,7 +476,7 @@ def _slice_bounds(node: torch.fx.Node, last: int) -> tuple[int, int] | None:
     step = _arg(node, 4, "step", 1)
     if dim not in (-1, last) or step != 1 or not isinstance(start, int):
         return None
-    size = _val(node.args[0]).shape[-1]
+    size = tensor_value(node.args[0]).shape[-1]
     end = size if end is None or (isinstance(end, int) and end >= size) else end
     return start, end
 
@@ -501,11 +501,6 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _val_or(node: torch.fx.Node) -> Any:
@@ -570,7 +565,7 @@ class ViewsForXnnpack(PassBase):
                     changed = True
             elif node.target == _EDGE_UNSQUEEZE and node.args[1] not in (
                 -1,
-                _val(node.args[0]).dim(),
+                tensor_value(node.args[0]).dim(),
             ):
                 shape = _inferred_shape(node)
                 if shape is not None:
@@ -610,7 +605,7 @@ def _distinct_cat_inputs(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
 
 def _inferred_shape(node: torch.fx.Node) -> list[int] | None:
     """`node`'s shape with -1 for its one dynamic dim; None where it has more than one."""
-    value = _val(node)
+    value = tensor_value(node)
     if value is None:
         return None
     shape = [d if isinstance(d, int) else -1 for d in value.shape]
