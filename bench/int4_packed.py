@@ -166,7 +166,8 @@ def timed(
     shape: str, prompts: Sequence[int], replays: int, readers_of_cpu_packing: bool = True
 ) -> list[list[str]]:
     """A row per way of computing a matmul of `shape` ("OUTxIN"): rows of x, what, us, TB/s of
-    the weight's bytes, largest difference from tinygemm's product."""
+    the weight's bytes, largest difference from tinygemm's product. Without
+    `readers_of_cpu_packing`, tinygemm and the halves layout at one row alone."""
     rows, cols = map(int, shape.split("x"))
     codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
     packed_cpu = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -246,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--halves-only",
         action="store_true",
-        help="one row: tinygemm and Inductor on the halves layout alone",
+        help="one row: tinygemm and Inductor on the halves layout alone (no prompts)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
