@@ -20,7 +20,9 @@ program as exported, its matmuls' rows symbolic), or fusing the int4 projections
 (`fused_projections`, `unfused_projections`), or computing the decode step's attention by the
 project's kernel or not (`decode_attention`, `no_decode_attention`). The kernel census
 profiles one decode step run without a CUDA graph: the kernels and their summed time on the
-GPU, the largest by time.
+GPU, the largest by time (`--top`), and the first in launch order (`--sequence`: a layer's
+kernels one by one). Its counts before 2026-11-29 held one copy of the bench's own, the
+position sent to the GPU inside the profile: one more than the package's kernels.
 `--prefills` times prompts of those lengths too (bench/kv_decode.py), each within the program's
 `dynamic.seq.max`.
 """
@@ -31,6 +33,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,24 +118,42 @@ def compiled(exported: Exported, variant: str, package: Path) -> float:
     return time.perf_counter() - started
 
 
-def kernel_census(package: Path, top: int) -> tuple[int, float, list[tuple[str, float]]]:
-    """One decode step of `package` (at slot 1, after a one-token prefill): its kernel launches,
-    their summed GPU time in ms, and the `top` kernels by time (name, ms)."""
+@dataclass
+class Census:
+    """One decode step's kernels: how many launches, their summed GPU time in ms, the largest by
+    time (name, launches, ms), and the first ones in launch order (name, us)."""
+
+    launches: int
+    total_ms: float
+    largest: list[tuple[str, int, float]]
+    in_order: list[tuple[str, float]]
+
+
+def kernel_census(package: Path, top: int, first: int) -> Census:
+    """One decode step of `package` (at slot 1, after a one-token prefill): its kernels, the
+    `top` by time and the `first` in launch order. Its inputs are on the GPU before the
+    profile starts, so that it holds the package's work alone."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
     model = calls(_load(package, single_threaded=False))
     token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     for position in range(3):
         model(token, torch.tensor([position], device="cuda"))
+    position = torch.tensor([1], device="cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as profiled:
-        model(token, torch.tensor([1], device="cuda"))
+        model(token, position)
         torch.cuda.synchronize()
     kernels = [e for e in profiled.key_averages() if e.device_type == DeviceType.CUDA]
-    launches = sum(e.count for e in kernels)
-    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     largest = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    return launches, total_ms, [(e.key[:70], e.self_device_time_total / 1e3) for e in largest]
+    launched = [e for e in profiled.events() if e.device_type == DeviceType.CUDA]
+    launched.sort(key=lambda e: e.time_range.start)
+    return Census(
+        launches=sum(e.count for e in kernels),
+        total_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
+        largest=[(e.key[:70], e.count, e.self_device_time_total / 1e3) for e in largest],
+        in_order=[(e.name[:70], e.time_range.elapsed_us()) for e in launched[:first]],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=1024, help="the cache's length")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=6, help="kernels listed per variant")
+    parser.add_argument(
+        "--sequence",
+        type=int,
+        default=0,
+        help="the first kernels of a step listed in launch order, per variant (a layer's)",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/aoti-options"))
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument(
@@ -193,13 +220,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as error:
                 print(f"{name}: compiling failed: {type(error).__name__}: {error}"[:400])
                 continue
-            launches, kernel_ms, largest = kernel_census(package, args.top)
+            census = kernel_census(package, args.top, args.sequence)
             floor = memory_floor.on("cuda", package.stat().st_size)
             floor_ms = f"{floor.ms:.3f}" if floor else None
-            rows.append([name, f"{seconds:.0f}", launches, f"{kernel_ms:.3f}", floor_ms])
-            print(f"{name}: compiled in {seconds:.0f} s; {launches} kernels, {kernel_ms:.3f} ms:")
-            for kernel, ms in largest:
-                print(f"    {ms:8.3f} ms  {kernel}")
+            rows.append(
+                [name, f"{seconds:.0f}", census.launches, f"{census.total_ms:.3f}", floor_ms]
+            )
+            print(
+                f"{name}: compiled in {seconds:.0f} s; "
+                f"{census.launches} kernels, {census.total_ms:.3f} ms:"
+            )
+            for kernel, count, ms in census.largest:
+                print(f"    {ms:8.3f} ms  {count:3d} x  {kernel}")
+            if census.in_order:
+                print(f"  the first {len(census.in_order)} in launch order:")
+            for kernel, us in census.in_order:
+                print(f"    {us:8.1f} us  {kernel}")
             sys.stdout.flush()
             packages.append(f"{name}=aoti:{package}")
     print(
