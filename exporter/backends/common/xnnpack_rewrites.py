@@ -266,7 +266,7 @@ class _Rewriter:
             return None
         subgraph = _ancestors(mask)
         sizes = [n for n in subgraph if n.target == aten.sym_size.int]
-        if not sizes or not all(_same_symbol(_val_or(n), rows) for n in sizes):
+        if not sizes or not all(_same_symbol(n.meta.get("val"), rows) for n in sizes):
             return None
         inputs = [n for n in subgraph if n.op == "placeholder"]
         if any(n.name not in self.constants and not _only_sized(n, subgraph) for n in inputs):
@@ -501,10 +501,6 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def _val_or(node: torch.fx.Node) -> Any:
-    return node.meta.get("val")
 
 
 def _same_symbol(a: Any, b: Any) -> bool:
