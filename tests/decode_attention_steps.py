@@ -47,9 +47,17 @@ def steps(program_file: Path, positions: list[int]) -> dict:
         if "cache" in name
     }
     calls = [node for node in rewritten.graph.nodes if node.op == "call_function"]
+    attentions = [
+        node for node in calls if node.target is torch.ops.exporter.decode_attention.default
+    ]
     return {
         "rewritten": made,
         "targets": sorted({str(node.target) for node in calls}),
+        # What each attention reads its tensors from, caches aside: a view or a computation
+        # there is a kernel that Inductor launches for it in every layer.
+        "attention_inputs": [
+            [str(arg.target) for arg in node.args[:5] + node.args[7:9]] for node in attentions
+        ],
         "worst": worst,
         "argmax_agree": agree,
         "cache_max_diff": max(caches.values()),

@@ -67,6 +67,10 @@ def test_the_kernel_computes_the_decode_steps_attention_at_every_position(
     gone = ("scaled_dot_product_attention", "index_copy_", "neg", "slice")
     assert not [t for t in found["targets"] if any(name in t for name in gone)]
     assert found["argmax_agree"] == len(POSITIONS)
+    # q, k and v straight from their projections, RoPE's cos and sin and the mask as the model
+    # computes them once for every layer, the slot from the position input.
+    reads = ["aten.linear.default"] * 3 + ["aten.to.dtype"] * 2 + ["aten.le.Tensor"]
+    assert found["attention_inputs"] == [[*reads, "aten.select.int"]]
     if dtype == "bfloat16":
         # RoPE in float32 rounded once, where the model rounds each product: a step of
         # bfloat16 (2 ** -8 of a value) in a key, and about that in the logits.

@@ -27,6 +27,13 @@ aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 # Views between the cache that index_copy_ wrote and SDPA's k and v: transformers' repeat_kv.
 _REPEAT_KV = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default)
+# Calls whose value is their tensor argument's (copy_: its source's), where the dtypes agree.
+_SAME_VALUE = (aten.copy_.default, aten.to.dtype, aten.to.dtype_layout)
+# Views that may leave a tensor's values in order, which `_unviewed` looks through.
+_VIEWS = (
+    *_REPEAT_KV, aten._unsafe_view.default, aten.squeeze.dim, aten.transpose.int,
+    aten.slice.Tensor,
+)  # fmt: skip
 # The activations it computes in (each sum float32).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Slots a step of the attention reads, and the splits of the cache's slots over programs.
@@ -37,9 +44,11 @@ SLOT_SPLITS = 8
 def rewritten(program: ExportedProgram) -> int:
     """Rewrites `program`'s graph in place (the module docstring), which must be the decode
     step's own; how many attentions it rewrote."""
-    graph = program.graph
+    graph, signature = program.graph, program.graph_signature
+    inputs = set(signature.user_inputs) - set(signature.user_inputs_to_mutate.values())
     made = sum(
-        _attention(graph, sdpa) for sdpa in list(graph.find_nodes(op="call_function", target=_SDPA))
+        _attention(graph, sdpa, inputs)
+        for sdpa in list(graph.find_nodes(op="call_function", target=_SDPA))
     )
     if made:
         graph.eliminate_dead_code()
@@ -66,10 +75,9 @@ def _rotated(ptr, cos_ptr, sin_ptr, ROPE: tl.constexpr, HD: tl.constexpr):
 
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, mask_ptr,
-                      pos_ptr, out_ptr, part_ptr, stats_ptr, scale, q_stride, k_stride, v_stride,
-                      cache_head_stride, cache_slot_stride, mask_stride, GROUP: tl.constexpr,
-                      HD: tl.constexpr, S: tl.constexpr, NSPLIT: tl.constexpr,
-                      BS: tl.constexpr, ROPE: tl.constexpr):
+                      pos_ptr, out_ptr, part_ptr, stats_ptr, scale, cache_head_stride,
+                      cache_slot_stride, GROUP: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
+                      NSPLIT: tl.constexpr, BS: tl.constexpr, ROPE: tl.constexpr):
     """Program (head, split): the split's slots that the mask lets through, softmax-weighted,
     the new token's key and value at slot `pos` taken from registers (the programs of a key's
     first query head write them into the cache); unnormalized, with their largest score and
@@ -80,10 +88,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
     kv = head // GROUP
     d = tl.arange(0, HD)
     pos = tl.load(pos_ptr)
-    q = (_rotated(q_ptr + head * q_stride, cos_ptr, sin_ptr, ROPE, HD) * scale).to(tl.float32)
-    new_k = _rotated(k_ptr + kv * k_stride, cos_ptr, sin_ptr, ROPE, HD)
+    q = (_rotated(q_ptr + head * HD, cos_ptr, sin_ptr, ROPE, HD) * scale).to(tl.float32)
+    new_k = _rotated(k_ptr + kv * HD, cos_ptr, sin_ptr, ROPE, HD)
     new_k = new_k.to(k_cache_ptr.dtype.element_ty)
-    new_v = tl.load(v_ptr + kv * v_stride + d).to(v_cache_ptr.dtype.element_ty)
+    new_v = tl.load(v_ptr + kv * HD + d).to(v_cache_ptr.dtype.element_ty)
     per_split: tl.constexpr = S // NSPLIT
     cache = kv * cache_head_stride + d[None, :]
     owner = (d >= 0) & (head % GROUP == 0) & (pos // per_split == split)
@@ -95,7 +103,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cach
     end = (split + 1) * per_split
     for start in range(split * per_split, end, BS):
         slots = start + tl.arange(0, BS)
-        live = tl.load(mask_ptr + slots * mask_stride, mask=slots < end, other=0) != 0
+        live = tl.load(mask_ptr + slots, mask=slots < end, other=0) != 0
         old = (live & (slots != pos))[:, None]
         where = cache + slots[:, None] * cache_slot_stride
         k = tl.load(k_cache_ptr + where, mask=old, other=0.0)
@@ -144,14 +152,17 @@ def decode_attention(
     mask: torch.Tensor, pos: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """One token's attention, as SDPA computes it over the cache after index_copy_ wrote k and v
-    at `pos`, which this writes too: q [1, heads, 1, head_dim], k and v [1, kv_heads, 1,
-    head_dim] (RoPE applied here where cos and sin are given, each [head_dim] values), the caches
-    [1, kv_heads, slots, head_dim], mask [slots] of bools (what may be attended), pos [1]."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if cos is not None and sin is not None:
-        cos, sin = cos.reshape(-1), sin.reshape(-1)
-    heads, head_dim = q.shape[1], q.shape[-1]
-    slots = k_cache.shape[2]
+    at `pos`, which this writes too: q, k and v hold the token's heads one after another (q
+    [1, heads, 1, head_dim] or any shape of those values, k and v kv_heads of them), RoPE applied
+    here where cos and sin are given (head_dim values each), the caches [1, kv_heads, slots,
+    head_dim], mask the slots' bools (what may be attended), pos the slot (one value). Returns
+    [1, heads, 1, head_dim], as SDPA."""
+    # Every tensor goes to the kernel as given: a view made here would be a copy made by
+    # Inductor, a kernel launched at every call.
+    q, k, v, mask = (t.contiguous() for t in (q, k, v, mask))
+    cos, sin = (None if t is None else t.contiguous() for t in (cos, sin))
+    kv_heads, slots, head_dim = k_cache.shape[1:]
+    heads = q.numel() // head_dim
     splits = SLOT_SPLITS if slots % (SLOT_SPLITS * SLOT_BLOCK) == 0 else 1
     out = q.new_empty((1, heads, 1, head_dim))
     parts = q.new_empty((splits, heads, head_dim), dtype=torch.float32)
@@ -159,9 +170,8 @@ def decode_attention(
     block = min(SLOT_BLOCK, triton.next_power_of_2(slots // splits))
     wrap_triton(_attention_kernel)[(heads, splits)](
         q, k, v, cos, sin, k_cache, v_cache, mask, pos, out, parts, stats, scale,
-        q.stride(1), k.stride(1), v.stride(1), k_cache.stride(1), k_cache.stride(2),
-        mask.stride(-1), GROUP=heads // k.shape[1], HD=head_dim, S=slots, NSPLIT=splits,
-        BS=block, ROPE=cos is not None, num_warps=4,
+        k_cache.stride(1), k_cache.stride(2), GROUP=heads // kv_heads, HD=head_dim, S=slots,
+        NSPLIT=splits, BS=block, ROPE=cos is not None, num_warps=4,
     )  # fmt: skip
     if splits > 1:
         wrap_triton(_combine_kernel)[(heads,)](parts, stats, out, HD=head_dim, NSPLIT=splits)
@@ -172,15 +182,21 @@ def decode_attention(
 # Triton's interpreter (the CPU's tests) would launch the kernels on fake tensors.
 @decode_attention.register_fake
 def _(q, k, v, cos, sin, k_cache, v_cache, mask, pos, scale):
-    return q.new_empty((1, q.shape[1], 1, q.shape[-1]))
+    head_dim = k_cache.shape[-1]
+    return q.new_empty((1, q.numel() // head_dim, 1, head_dim))
 
 
 def _is(node: object, target: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is target
 
 
-def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node) -> int:
-    """1 where the SDPA node was rewritten into decode_attention, else 0."""
+def _is_any(node: object, targets: tuple[object, ...]) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target in targets
+
+
+def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node, inputs: set[str]) -> int:
+    """1 where the SDPA node was rewritten into decode_attention, else 0. `inputs`: the names of
+    the graph's user inputs that it does not mutate."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     args = dict(zip(names, sdpa.args, strict=False))
     args |= sdpa.kwargs
@@ -216,10 +232,11 @@ def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node) -> int:
     if None not in rotations and rotations[0][1:] == rotations[1][1:]:
         (q_node, cos, sin), (k_node, _, _) = rotations
     scale = args.get("scale") or q.shape[-1] ** -0.5
+    tensors = [_unviewed(n) for n in (q_node, k_node, v, cos, sin, args["attn_mask"])]
     with Inserting(graph, sdpa) as make:
         call = make(
-            torch.ops.exporter.decode_attention.default, q_node, k_node, v, cos, sin, k_cache,
-            v_cache, args["attn_mask"], pos, scale,
+            torch.ops.exporter.decode_attention.default, *tensors[:5], k_cache, v_cache,
+            tensors[5], _position(pos, inputs), scale,
         )  # fmt: skip
     sdpa.replace_all_uses_with(call)
     # SDPA is tagged nondeterministic (its dropout), so dead-code elimination would keep it.
@@ -252,6 +269,46 @@ def _cache_write(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, tor
     ):
         return None
     return cache, pos, new
+
+
+def _unviewed(node: torch.fx.Node | None) -> torch.fx.Node | None:
+    """The node whose values `node` views with them in the same order and place (through views
+    each of which is contiguous, as many values, at the same offset): what Inductor hands the
+    kernel as it is, where it would copy a view of it into a buffer of its own at every call."""
+    value = tensor_value(node)
+    if value is None or not value.is_contiguous():
+        return node
+    while _is_any(node, _VIEWS) and isinstance(node.args[0], torch.fx.Node):
+        source = tensor_value(node.args[0])
+        if (
+            source is None
+            or not source.is_contiguous()
+            or (source.numel(), source.storage_offset()) != (value.numel(), value.storage_offset())
+        ):
+            break
+        node = node.args[0]
+    return node
+
+
+def _position(node: torch.fx.Node, inputs: set[str]) -> torch.fx.Node:
+    """The slot as the graph's input holds it, where `node` computes it from there as
+    transformers' static cache does, arange(1) + p, p copied into a buffer of each layer's from
+    the input's first value (an input not mutated: `inputs`), through `to`s of its own dtype;
+    else `node`. Read from the input, it is one kernel a layer fewer."""
+    if not (_is(node, aten.add.Tensor) and _is(node.args[0], aten.arange.default)):
+        return node
+    if node.args[0].args != (1,) or node.args[0].kwargs.get("dtype", torch.int64) != torch.int64:
+        return node
+    dtype = tensor_value(node).dtype
+    value = node.args[1]
+    while _is_any(value, _SAME_VALUE) and tensor_value(value).dtype == dtype:
+        value = value.args[1 if value.target is aten.copy_.default else 0]
+    if not _is(value, aten.select.int) or value.args[1:] != (0, 0):
+        return node
+    source = value.args[0]
+    if source.op != "placeholder" or source.name not in inputs or source.meta["val"].dtype != dtype:
+        return node
+    return value
 
 
 def _rope(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
