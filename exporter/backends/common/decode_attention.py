@@ -293,22 +293,27 @@ def _unviewed(node: torch.fx.Node | None) -> torch.fx.Node | None:
 def _position(node: torch.fx.Node, inputs: set[str]) -> torch.fx.Node:
     """The slot as the graph's input holds it, where `node` computes it from there as
     transformers' static cache does, arange(1) + p, p copied into a buffer of each layer's from
-    the input's first value (an input not mutated: `inputs`), through `to`s of its own dtype;
-    else `node`. Read from the input, it is one kernel a layer fewer."""
+    the input's first value (an input not mutated: `inputs`), through `to`s that keep its dtype
+    and device; else `node`. Read from the input, it is one kernel a layer fewer."""
     if not (_is(node, aten.add.Tensor) and _is(node.args[0], aten.arange.default)):
         return node
     if node.args[0].args != (1,) or node.args[0].kwargs.get("dtype", torch.int64) != torch.int64:
         return node
-    dtype = tensor_value(node).dtype
+    kind = _dtype_and_device(node)
     value = node.args[1]
-    while _is_any(value, _SAME_VALUE) and tensor_value(value).dtype == dtype:
+    while _is_any(value, _SAME_VALUE) and _dtype_and_device(value) == kind:
         value = value.args[1 if value.target is aten.copy_.default else 0]
     if not _is(value, aten.select.int) or value.args[1:] != (0, 0):
         return node
     source = value.args[0]
-    if source.op != "placeholder" or source.name not in inputs or source.meta["val"].dtype != dtype:
+    if source.op != "placeholder" or source.name not in inputs or _dtype_and_device(source) != kind:
         return node
     return value
+
+
+def _dtype_and_device(node: torch.fx.Node) -> tuple[torch.dtype, torch.device] | None:
+    value = tensor_value(node)
+    return None if value is None else (value.dtype, value.device)
 
 
 def _rope(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
