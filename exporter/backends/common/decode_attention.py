@@ -186,11 +186,8 @@ def _(q, k, v, cos, sin, k_cache, v_cache, mask, pos, scale):
     return q.new_empty((1, q.numel() // head_dim, 1, head_dim))
 
 
-def _is(node: object, target: object) -> bool:
-    return isinstance(node, torch.fx.Node) and node.target is target
-
-
-def _is_any(node: object, targets: tuple[object, ...]) -> bool:
+def _is(node: object, *targets: object) -> bool:
+    """Whether `node` is a node that calls one of `targets`."""
     return isinstance(node, torch.fx.Node) and node.target in targets
 
 
@@ -278,7 +275,7 @@ def _unviewed(node: torch.fx.Node | None) -> torch.fx.Node | None:
     value = tensor_value(node)
     if value is None or not value.is_contiguous():
         return node
-    while _is_any(node, _VIEWS) and isinstance(node.args[0], torch.fx.Node):
+    while _is(node, *_VIEWS) and isinstance(node.args[0], torch.fx.Node):
         source = tensor_value(node.args[0])
         if (
             source is None
@@ -301,7 +298,7 @@ def _position(node: torch.fx.Node, inputs: set[str]) -> torch.fx.Node:
         return node
     kind = _dtype_and_device(node)
     value = node.args[1]
-    while _is_any(value, _SAME_VALUE) and _dtype_and_device(value) == kind:
+    while _is(value, *_SAME_VALUE) and _dtype_and_device(value) == kind:
         value = value.args[1 if value.target is aten.copy_.default else 0]
     if not _is(value, aten.select.int) or value.args[1:] != (0, 0):
         return node
