@@ -105,3 +105,39 @@ def test_the_kernel_is_refused_on_the_cpu() -> None:
     job = config.to_job(composed("backend=aoti", "backend.decode_attention=true"))
     with pytest.raises(ConfigError, match=r"backend\.decode_attention=true"):
         aoti.BACKEND.check(job.backend, job.fallback)
+
+
+@pytest.mark.parametrize(
+    ("kept_by_to", "inputs", "from_the_input"),
+    [
+        ({"dtype": torch.int64}, {"cache_position"}, True),
+        ({"dtype": torch.int32}, {"cache_position"}, False),
+        ({"device": "meta"}, {"cache_position"}, False),
+        ({"dtype": torch.int64}, set(), False),
+    ],
+    ids=["same-dtype-and-device", "another-dtype", "another-device", "a-mutated-input"],
+)
+def test_the_slot_is_read_from_the_input_only_where_its_value_is_the_inputs(
+    kept_by_to: dict, inputs: set[str], from_the_input: bool
+) -> None:
+    # transformers' static cache: arange(1) + to(copy_(a layer's buffer, cache_position[0])).
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    buffer, cache_position = graph.placeholder("buffer"), graph.placeholder("cache_position")
+    first = graph.call_function(aten.select.int, (cache_position, 0, 0))
+    copied = graph.call_function(aten.copy_.default, (buffer, first))
+    kept = graph.call_function(aten.to.dtype_layout, (copied,), kept_by_to)
+    arange = graph.call_function(aten.arange.default, (1,))
+    slot = graph.call_function(aten.add.Tensor, (arange, kept))
+    values = {
+        buffer: torch.tensor(0),
+        cache_position: torch.tensor([5]),
+        first: torch.tensor(5),
+        copied: torch.tensor(5),
+        kept: torch.tensor(5).to(**kept_by_to),
+        arange: torch.arange(1),
+        slot: torch.tensor([5]),
+    }
+    for node, value in values.items():
+        node.meta["val"] = value
+    assert decode_attention._position(slot, inputs) is (first if from_the_input else slot)
