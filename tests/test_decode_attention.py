@@ -141,3 +141,29 @@ def test_the_slot_is_read_from_the_input_only_where_its_value_is_the_inputs(
     for node, value in values.items():
         node.meta["val"] = value
     assert decode_attention._position(slot, inputs) is (first if from_the_input else slot)
+
+
+@pytest.mark.parametrize(
+    ("views", "looked_through"),
+    [
+        ([(torch.ops.aten.view.default, [3, 2]), (torch.ops.aten.unsqueeze.default, 0)], True),
+        ([(torch.ops.aten.view.default, [1, 1, 6]), (torch.ops.aten.transpose.int, 0, 1)], True),
+        ([(torch.ops.aten.transpose.int, 0, 1)], False),
+        ([(torch.ops.aten.transpose.int, 0, 1), (torch.ops.aten.reshape.default, [6])], False),
+        ([(torch.ops.aten.view.default, [6]), (torch.ops.aten.slice.Tensor, 0, 0, 3)], False),
+    ],
+    ids=["contiguous", "a-size-one-transpose", "a-transpose", "a-reshaped-copy", "fewer-values"],
+)
+def test_a_view_is_looked_through_only_where_it_holds_its_sources_values_in_order(
+    views: list[tuple], looked_through: bool
+) -> None:
+    # The kernel reads each input as contiguous from its first value: a view handed over as its
+    # source must be that source's values, all of them, in the same order.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = value = torch.arange(6.0).view(2, 3)
+    node = x
+    for target, *args in views:
+        node = graph.call_function(target, (node, *args))
+        node.meta["val"] = value = target(value, *args)
+    assert decode_attention._unviewed(node) is (x if looked_through else node)

@@ -269,19 +269,15 @@ def _cache_write(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, tor
 
 
 def _unviewed(node: torch.fx.Node | None) -> torch.fx.Node | None:
-    """The node whose values `node` views with them in the same order and place (through views
-    each of which is contiguous, as many values, at the same offset): what Inductor hands the
+    """The node whose values `node` views with them in the same order (through views each of
+    which is contiguous, of a contiguous source with as many values): what Inductor hands the
     kernel as it is, where it would copy a view of it into a buffer of its own at every call."""
     value = tensor_value(node)
     if value is None or not value.is_contiguous():
         return node
     while _is(node, *_VIEWS) and isinstance(node.args[0], torch.fx.Node):
         source = tensor_value(node.args[0])
-        if (
-            source is None
-            or not source.is_contiguous()
-            or (source.numel(), source.storage_offset()) != (value.numel(), value.storage_offset())
-        ):
+        if source is None or not source.is_contiguous() or source.numel() != value.numel():
             break
         node = node.args[0]
     return node
