@@ -27,7 +27,8 @@ aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 # Views between the cache that index_copy_ wrote and SDPA's k and v: transformers' repeat_kv.
 _REPEAT_KV = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default)
-# Calls whose value is their tensor argument's (copy_: its source's), where the dtypes agree.
+# Calls whose value is their tensor argument's (copy_: its source's), where dtype and device
+# agree.
 _SAME_VALUE = (aten.copy_.default, aten.to.dtype, aten.to.dtype_layout)
 # Views that may leave a tensor's values in order, which `_unviewed` looks through.
 _VIEWS = (
@@ -229,11 +230,13 @@ def _attention(graph: torch.fx.Graph, sdpa: torch.fx.Node, inputs: set[str]) -> 
     if None not in rotations and rotations[0][1:] == rotations[1][1:]:
         (q_node, cos, sin), (k_node, _, _) = rotations
     scale = args.get("scale") or q.shape[-1] ** -0.5
-    tensors = [_unviewed(n) for n in (q_node, k_node, v, cos, sin, args["attn_mask"])]
+    q_node, k_node, v_node, cos, sin, mask = (
+        _unviewed(n) for n in (q_node, k_node, v, cos, sin, args["attn_mask"])
+    )
     with Inserting(graph, sdpa) as make:
         call = make(
-            torch.ops.exporter.decode_attention.default, *tensors[:5], k_cache, v_cache,
-            tensors[5], _position(pos, inputs), scale,
+            torch.ops.exporter.decode_attention.default, q_node, k_node, v_node, cos, sin,
+            k_cache, v_cache, mask, _position(pos, inputs), scale,
         )  # fmt: skip
     sdpa.replace_all_uses_with(call)
     # SDPA is tagged nondeterministic (its dropout), so dead-code elimination would keep it.
